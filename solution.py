@@ -1,0 +1,728 @@
+"""
+The paged KV-cache lab
+======================
+
+A transformer keeps, for every token it has seen, that token's key and value vectors: the
+KV cache. Serving many requests at once is mostly a question of where those vectors live.
+Systems before vLLM reserved one contiguous region per request, sized for the longest
+answer it might give, and wasted most of it. PagedAttention (Kwon et al., SOSP 2023)
+borrowed the operating system's answer: cut the cache into fixed-size *blocks*, give each
+request a *block table* from its logical positions to physical blocks, allocate a block only
+when the previous one is full, and let requests that share a prefix point at the same
+physical blocks, copying one only when somebody writes into it (copy-on-write).
+
+This file is that memory manager, without the attention math: the "KV" a block stores is
+the token ids themselves, so every test can read a sequence back through its block table
+and compare it with a plain Python list. Read it top to bottom; each part builds on the
+ones above it and ends with a demo that prints what it measured.
+
+    Part 1  the block pool ........... BlockAllocator: free list, ref-counts
+    Part 2  block tables, sequences .. BlockTable, Sequence: grow a block at the boundary
+    Part 3  sharing .................. share_prefix, fork, copy-on-write
+    Part 4  checks ................... check_invariants, a randomized oracle test
+    Part 5  demos .................... memory efficiency, prefix sharing, a block map
+    Part 6  prefix caching ........... hash-chained blocks, LRU eviction
+    Part 7  preemption ............... recompute vs swap, with a cost model
+    Part 8  parallel sampling, beams . fork and prune, copy only where beams diverge
+    Part 9  block-size sweep ......... fragmentation against block-table size
+    Part 10 benchmark ................ O(1) per operation, measured
+
+Run it:
+    python solution.py                  # every section, in reading order (about a second)
+    python solution.py cache beam       # only these sections; --help lists them
+    python solution.py bench            # timings (not part of the default run)
+    python -m pytest test_solution.py   # the tests
+
+Where the ideas come from:
+    paper:  Kwon et al., "Efficient Memory Management for Large Language Model Serving
+            with PagedAttention", SOSP 2023 (arXiv 2309.06180), sections 4, 6.3, 7.2, 7.3
+    vLLM:   vllm/v1/core/block_pool.py        (BlockPool: free queue, ref_cnt, cache map)
+            vllm/v1/core/kv_cache_utils.py    (FreeKVCacheBlockQueue, hash_block_tokens)
+            vllm/v1/core/kv_cache_manager.py  (get_computed_blocks, allocate_slots)
+            vllm/v1/core/sched/scheduler.py   (preemption)
+            vllm/core/block/ (v0: copy-on-write, cpu_gpu_block_allocator.py, evictor.py)
+    SGLang: python/sglang/srt/mem_cache/radix_cache.py (RadixAttention)
+    nano-vllm: nanovllm/engine/block_manager.py (the whole idea in ~120 lines)
+
+Glossary
+    block           a fixed number of token slots (block_size, 16 here as in vLLM)
+    slot            one token's place in a block: (physical block, offset)
+    logical index   a block's position in its sequence: token i is in logical block i // 16
+    physical block  a block id in the pool; the block table maps logical -> physical
+    ref-count       how many block tables point at a physical block (vLLM: ref_cnt)
+    copy-on-write   before writing into a block others still reference, copy it
+    block hash      a full block's key: its tokens chained with the key of the block before
+    evictable       a cached block nobody references: free, but kept until memory is needed
+"""
+
+import argparse
+import hashlib
+import pickle
+import random
+import time
+import tracemalloc
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+BLOCK_SIZE = 16  # tokens per block; vLLM's default on GPUs
+
+
+# ---------------------------------------------------------------------------------------
+# Part 1. The block pool
+# ---------------------------------------------------------------------------------------
+
+class OutOfBlocksError(MemoryError):
+    """The pool cannot satisfy a request. Raised before anything changed."""
+
+
+def cdiv(a, b):
+    """Ceiling division: the blocks needed for a tokens at b tokens per block."""
+    return -(-a // b)
+
+
+def _expect(condition, message):
+    """Raise AssertionError(message) unless condition holds (used by the checks)."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def _positive_int(value, name):
+    """Return value if it is a positive int; TypeError or ValueError otherwise."""
+    if type(value) is not int:
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def _token_ids(tokens):
+    """A validated list copy of tokens: token ids are non-negative ints."""
+    token_ids = list(tokens)
+    for token in token_ids:
+        if type(token) is not int:
+            raise TypeError(f"token ids are non-negative ints, got {token!r} "
+                            f"({type(token).__name__})")
+        if token < 0:
+            raise ValueError(f"token ids are non-negative ints, got {token}")
+    return token_ids
+
+
+class BlockAllocator:
+    """A fixed pool of physical KV blocks, handed out one at a time, shared by ref-count.
+
+    Invariant: a block is in use exactly when it has a ref-count (>= 1); every other block
+    is free, so num_free + num_used == num_blocks. Every operation is O(1).
+    """
+
+    enable_caching = False  # a PrefixCachingAllocator (Part 6) indexes full blocks
+
+    def __init__(self, num_blocks, block_size=BLOCK_SIZE):
+        self.num_blocks = _positive_int(num_blocks, "num_blocks")  # blocks
+        self.block_size = _positive_int(block_size, "block_size")  # tokens per block
+        self.ref_cnt = {}          # block -> references; only blocks in use have an entry
+        self.free_block_ids = []   # freed blocks, reused last in, first out
+        self.next_fresh = 0        # blocks next_fresh..num_blocks-1 were never handed out
+        self.num_copies = 0        # copy-on-write copies made (Part 3)
+        self._data = {}            # block -> its block_size slots, created on first write
+        # NOTE: vLLM builds a linked list of every block up front (FreeKVCacheBlockQueue).
+        # Handing out never-used blocks from a watermark instead makes a pool O(1) to build
+        # and an idle million-block pool cost bytes, not megabytes; the free list holds only
+        # blocks that came back. Slot storage is lazy for the same reason.
+
+    @property
+    def num_used(self):
+        return len(self.ref_cnt)
+
+    @property
+    def num_free(self):
+        return self.num_blocks - len(self.ref_cnt)
+
+    def allocate(self):
+        """Take a free block; it starts with ref-count 1."""
+        if len(self.ref_cnt) == self.num_blocks:
+            raise OutOfBlocksError(f"all {self.num_blocks} blocks are in use")
+        block = self._pop_free()
+        self.ref_cnt[block] = 1
+        return block
+
+    def allocate_many(self, n):
+        """Take n free blocks, or none: the check comes before the first allocation."""
+        self.ensure_free(n)
+        return [self.allocate() for _ in range(n)]
+
+    def ensure_free(self, n):
+        """Raise OutOfBlocksError unless n blocks are free (the check half of check-then-act)."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} free blocks, only {self.num_free} of "
+                                   f"{self.num_blocks} are free")
+
+    def share(self, block):
+        """Add a reference to a block in use (ref-count + 1) and return it."""
+        self._check_in_use(block)
+        self.ref_cnt[block] += 1
+        return block
+
+    def free(self, block):
+        """Drop one reference; the block becomes free only when none is left."""
+        self._check_in_use(block)
+        refs = self.ref_cnt[block] - 1
+        if refs > 0:
+            self.ref_cnt[block] = refs
+        else:
+            del self.ref_cnt[block]
+            self._release(block)
+
+    def refcount(self, block):
+        """References to block: 0 when it is free."""
+        self._check_known(block)
+        return self.ref_cnt.get(block, 0)
+
+    def read(self, block):
+        """A copy of the block's slots: token ids written there, None where none was.
+
+        NOTE: like GPU memory, a block is not cleared when it is reused; the block table
+        and the sequence length, not the memory, say which slots mean anything.
+        """
+        self._check_known(block)
+        slots = self._data.get(block)
+        return [None] * self.block_size if slots is None else list(slots)
+
+    def slots(self, block):
+        """The block's storage itself, for Sequence to write into (no checks: the caller
+        owns the block). The stand-in for a block of GPU memory."""
+        slots = self._data.get(block)
+        if slots is None:
+            slots = self._data[block] = [None] * self.block_size
+        return slots
+
+    def writable(self, block):
+        """Whether the holder of a reference may write into block in place."""
+        return self.ref_cnt[block] == 1
+
+    def copy_block(self, src):
+        """A new block holding src's contents: the stand-in for vLLM's copy kernel."""
+        self._check_in_use(src)
+        dst = self.allocate()
+        self.slots(dst)[:] = self.slots(src)
+        self.num_copies += 1
+        return dst
+
+    def allocate_prompt(self, token_ids):
+        """Blocks for a new prompt, as (blocks, keys of leading blocks that already hold it).
+
+        A plain pool remembers nothing, so every block is new and none holds the prompt.
+        """
+        return self.allocate_many(cdiv(len(token_ids), self.block_size)), []
+
+    def free_blocks(self):
+        """Every free block id (O(pool): for checks, never for hot paths)."""
+        return [*self.free_block_ids, *range(self.next_fresh, self.num_blocks)]
+
+    def audit(self):
+        """Raise AssertionError if the free lists and ref-counts disagree."""
+        free = self.free_blocks()
+        _expect(len(set(free)) == len(free), "free list: a block is listed free twice")
+        _expect(self.ref_cnt.keys().isdisjoint(free), "free list: a block in use is listed free")
+        _expect(all(refs >= 1 for refs in self.ref_cnt.values()),
+                "ref-count: a block in use has ref-count < 1")
+        _expect(len(free) == self.num_free and self.num_free + self.num_used == self.num_blocks,
+                f"free/used counts wrong: {len(free)} listed free, num_free {self.num_free}, "
+                f"num_used {self.num_used}, num_blocks {self.num_blocks}")
+
+    def _pop_free(self):
+        if len(self.free_block_ids) > 0:
+            return self.free_block_ids.pop()
+        block = self.next_fresh
+        self.next_fresh += 1
+        return block
+
+    def _release(self, block):
+        self.free_block_ids.append(block)
+
+    def _check_known(self, block):
+        if type(block) is not int or not 0 <= block < self.num_blocks:
+            raise ValueError(f"unknown block {block!r}: block ids are ints in "
+                             f"0..{self.num_blocks - 1}")
+
+    def _check_in_use(self, block):
+        self._check_known(block)
+        if block not in self.ref_cnt:
+            raise ValueError(f"block {block} is free (double free, or never allocated)")
+
+
+# ---------------------------------------------------------------------------------------
+# Part 2. Block tables and sequences
+# ---------------------------------------------------------------------------------------
+
+class BlockTable(list):
+    """A sequence's page table: entry i is the physical block holding logical block i.
+
+    Example: block_size 16, tokens 0..19 stored in physical blocks [7, 2]:
+    slot(17) == (2, 1), token 17 lives in block 2 at offset 1.
+    """
+
+    def __init__(self, block_size, blocks=()):
+        super().__init__(blocks)
+        self.block_size = block_size
+
+    def slot(self, i):
+        """(physical block, offset) of token i."""
+        if type(i) is not int or not 0 <= i < len(self) * self.block_size:
+            raise IndexError(f"token {i!r} is outside this table's "
+                             f"{len(self) * self.block_size} slots")
+        return self[i // self.block_size], i % self.block_size
+
+
+class Sequence:
+    """A request's tokens and the block table that says where each one is stored.
+
+    Invariant: len(block_table) == cdiv(len(tokens), block_size) and token i is stored at
+    block_table.slot(i). A sequence writes only into its last block, and only when the
+    pool says that block is its alone (copy-on-write otherwise).
+    """
+
+    def __init__(self, seq_id, allocator, tokens=()):
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
+        token_ids = _token_ids(tokens)
+        self.seq_id = seq_id
+        self.allocator = allocator
+        self.tokens = []                                    # logical tokens, in order
+        self.block_table = BlockTable(allocator.block_size)
+        self.block_hashes = []  # key of each full block; kept only on a prefix-caching pool
+        self.is_freed = False
+        blocks, keys = allocator.allocate_prompt(token_ids)  # all blocks, or an exception
+        self.block_table.extend(blocks)
+        self.block_hashes.extend(keys)
+        num_cached = len(keys) * allocator.block_size       # tokens already in those blocks
+        self.tokens.extend(token_ids[:num_cached])
+        self._write(token_ids[num_cached:])
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __repr__(self):
+        return f"Sequence({self.seq_id!r}, {len(self.tokens)} tokens, blocks {list(self.block_table)})"
+
+    def append(self, token):
+        """Add one token (a decode step)."""
+        self.extend((token,))
+
+    def extend(self, tokens):
+        """Add tokens: make room first (new blocks, a private tail), then write."""
+        self._check_live()
+        token_ids = _token_ids(tokens)
+        self._reserve(len(token_ids))
+        self._write(token_ids)
+
+    def read(self):
+        """The sequence's tokens, gathered from physical blocks through the block table."""
+        self._check_live()
+        out = []
+        for block in self.block_table:
+            out.extend(self.allocator.read(block))
+        del out[len(self.tokens):]
+        return out
+
+    def free(self):
+        """Release every block; the sequence cannot be used afterwards."""
+        self._check_live()
+        # NOTE: tail first, as nano-vllm does: a prefix cache then evicts a sequence's
+        # suffix before its prefix, which other requests are likelier to share.
+        for block in reversed(self.block_table):
+            self.allocator.free(block)
+        self.block_table.clear()
+        self.block_hashes.clear()
+        self.is_freed = True
+
+    def _reserve(self, num_tokens):
+        """Make room for num_tokens more tokens, all or nothing: check, then mutate."""
+        block_size = self.allocator.block_size
+        n = len(self.tokens)
+        writes_tail = num_tokens > 0 and n % block_size != 0
+        cow = writes_tail and not self.allocator.writable(self.block_table[-1])
+        num_new = cdiv(n + num_tokens, block_size) - len(self.block_table)
+        self.allocator.ensure_free(num_new + (1 if cow else 0))
+        if cow:
+            self._copy_on_write()
+        self.block_table.extend(self.allocator.allocate_many(num_new))
+
+    def _write(self, token_ids):
+        """Store token_ids after the current tokens, one block at a time (room reserved)."""
+        block_size = self.allocator.block_size
+        i = 0
+        while i < len(token_ids):
+            k, offset = divmod(len(self.tokens), block_size)
+            chunk = token_ids[i:i + block_size - offset]
+            self.allocator.slots(self.block_table[k])[offset:offset + len(chunk)] = chunk
+            self.tokens.extend(chunk)
+            i += len(chunk)
+            if offset + len(chunk) == block_size:
+                self._block_filled(k)
+
+    def _block_filled(self, k):
+        """Logical block k just became full: a prefix-caching pool (Part 6) indexes it."""
+        if self.allocator.enable_caching:
+            block_size = self.allocator.block_size
+            parent = self.block_hashes[k - 1] if k > 0 else None
+            block_tokens = self.tokens[k * block_size:(k + 1) * block_size]
+            self.block_hashes.append(
+                self.allocator.cache_full_block(self.block_table[k], parent, block_tokens))
+
+    def _check_live(self):
+        if self.is_freed:
+            raise ValueError(f"sequence {self.seq_id!r} was freed; it holds no blocks")
+
+    # -- Part 3 lives in these two methods and share_prefix below --------------------
+
+    def _copy_on_write(self):
+        # NOTE: the tail block is partly full and someone else can still see it. Writing
+        # in place would change what they read, so write into a private copy instead and
+        # drop our reference to the original. Only the last block is ever written, so
+        # this is the only place a sequence copies.
+        shared = self.block_table[-1]
+        self.block_table[-1] = self.allocator.copy_block(shared)
+        self.allocator.free(shared)
+
+    def _share(self, seq_id, num_tokens):
+        """A new sequence whose first num_tokens tokens use this one's blocks."""
+        self._check_live()
+        child = Sequence(seq_id, self.allocator)
+        num_blocks = cdiv(num_tokens, self.allocator.block_size)
+        child.block_table.extend(self.allocator.share(b) for b in self.block_table[:num_blocks])
+        child.block_hashes.extend(self.block_hashes[:num_tokens // self.allocator.block_size])
+        child.tokens.extend(self.tokens[:num_tokens])
+        return child
+
+    def fork(self, seq_id):
+        """A new sequence sharing every block of this one (ref-count + 1 each)."""
+        return self._share(seq_id, len(self.tokens))
+
+
+# ---------------------------------------------------------------------------------------
+# Part 3. Sharing a prefix
+# ---------------------------------------------------------------------------------------
+# Sharing costs one ref-count per block and copies nothing. The price is paid later, and
+# only where the sharers diverge: the first write into a shared, partly full last block
+# copies that one block (Sequence._copy_on_write above). Full blocks are never written
+# again, so they stay shared for as long as both sequences live.
+
+def share_prefix(src, seq_id, num_tokens=None):
+    """A new sequence whose first num_tokens tokens (default: all) are src's, stored in
+    src's physical blocks, including a partly covered last block.
+
+    Example: src holds 20 tokens in blocks [a, b]; share_prefix(src, "x", 18) gives "x"
+    the table [a, b] (ref-counts 2 and 2) and 18 tokens. Whoever of the two writes into b
+    first while it is shared gets a private copy.
+    """
+    src._check_live()
+    if num_tokens is None:
+        num_tokens = len(src)
+    if type(num_tokens) is not int:
+        raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
+    if not 0 <= num_tokens <= len(src):
+        raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} "
+                         f"(the length of sequence {src.seq_id!r})")
+    return src._share(seq_id, num_tokens)
+
+
+# ---------------------------------------------------------------------------------------
+# Part 4. Checks: invariants you can execute, and an oracle to run them against
+# ---------------------------------------------------------------------------------------
+
+def check_invariants(allocator, sequences):
+    """Raise AssertionError naming the first broken invariant.
+
+    sequences must include every live sequence on allocator (freed ones may be passed too):
+    otherwise the references of the missing ones look like leaks.
+    """
+    allocator.audit()
+    references = Counter()
+    for seq in sequences:
+        if seq.is_freed:
+            _expect(len(seq.block_table) == 0, f"freed sequence {seq.seq_id!r} still holds blocks")
+            continue
+        need = cdiv(len(seq.tokens), allocator.block_size)
+        _expect(len(seq.block_table) == need,
+                f"block count: sequence {seq.seq_id!r} holds {len(seq.block_table)} blocks "
+                f"for {len(seq.tokens)} tokens, needs {need}")
+        references.update(seq.block_table)
+        _expect(seq.read() == seq.tokens,
+                f"read-back: sequence {seq.seq_id!r} reads back tokens it was not given")
+    for block, refs in references.items():
+        _expect(allocator.refcount(block) == refs,
+                f"ref-count != block-table references: block {block} has ref-count "
+                f"{allocator.refcount(block)} but {refs} block-table references")
+    _expect(allocator.num_used == len(references),
+            f"ref-count != block-table references: {allocator.num_used} blocks in use, "
+            f"{len(references)} referenced by a block table")
+
+
+def snapshot(allocator, sequences):
+    """Every field of the pool and the sequences, serialized: equal before and after a
+    call that raised, or the call changed something."""
+    return pickle.dumps([vars(allocator)] + [
+        {name: value for name, value in vars(seq).items() if name != "allocator"}
+        for seq in sequences])
+
+
+def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
+    """Run num_ops random operations against a plain-list model, checking every invariant
+    after every step, then free everything and check the pool is whole.
+
+    The model is a dict seq_id -> list of tokens. A refused operation (OutOfBlocksError)
+    must leave a snapshot of the pool and every sequence unchanged. A small vocabulary and
+    prompts cut from earlier sequences make shared and cached prefixes common. Returns a
+    Counter of what happened, so a test can tell the run exercised every operation.
+    """
+    live, model, seen, counts = {}, {}, [[]], Counter()
+    longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
+    for step in range(num_ops):
+        ids = sorted(live)
+        op = rng.choice(["create", "append", "extend", "fork", "share", "free"]
+                        if len(ids) > 0 else ["create"])
+        if op in ("create", "fork", "share") and len(ids) >= max_live:
+            op = "free"
+        target = live[rng.choice(ids)] if len(ids) > 0 else None
+        before = snapshot(allocator, live.values())
+        try:
+            if op == "create":
+                past = rng.choice(seen)
+                tokens = past[:rng.randint(0, len(past))] + _random_tokens(rng, vocab, 0, longest)
+                live[step], model[step] = Sequence(step, allocator, tokens), tokens
+            elif op in ("append", "extend"):
+                tokens = _random_tokens(rng, vocab, 1, 1 if op == "append" else longest)
+                if op == "append":
+                    target.append(tokens[0])
+                else:
+                    target.extend(tokens)
+                model[target.seq_id] = model[target.seq_id] + tokens
+            elif op in ("fork", "share"):
+                n = len(target) if op == "fork" else rng.randint(0, len(target))
+                live[step] = target.fork(step) if op == "fork" else share_prefix(target, step, n)
+                model[step] = model[target.seq_id][:n]
+            else:
+                seen.append(model.pop(target.seq_id))
+                live.pop(target.seq_id).free()
+            counts[op] += 1
+        except OutOfBlocksError:
+            counts["refused"] += 1
+            _expect(snapshot(allocator, live.values()) == before,
+                    f"atomicity: a refused {op} changed the pool or a sequence")
+        check_invariants(allocator, live.values())
+        for seq_id, seq in live.items():
+            _expect(seq.tokens == model[seq_id], f"model: sequence {seq_id} disagrees with the model")
+    for seq in live.values():
+        seq.free()
+    _expect(allocator.num_free == allocator.num_blocks, "freeing everything left blocks in use")
+    allocator.audit()
+    return counts
+
+
+def _random_tokens(rng, vocab, low, high):
+    return [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
+
+
+def check_block_boundary():
+    """block boundary: a new block exactly when the last is full (sizes 1, 3, 16)"""
+    for block_size in (1, 3, 16):
+        seq = Sequence("s", BlockAllocator(64, block_size))
+        for n in range(1, 3 * block_size + 2):
+            seq.append(n)
+            _expect(len(seq.block_table) == cdiv(n, block_size),
+                    f"block boundary: {n} tokens at block_size {block_size} hold "
+                    f"{len(seq.block_table)} blocks")
+
+
+def check_free_shared():
+    """freeing a shared block: it stays allocated for the other holder"""
+    pool = BlockAllocator(4)
+    a = Sequence("a", pool, range(20))
+    b = a.fork("b")
+    a.free()
+    _expect(pool.num_used == 2 and b.read() == list(range(20)), "freeing a shared block lost it")
+    b.free()
+    _expect(pool.num_free == pool.num_blocks, "the last free did not return the blocks")
+
+
+def check_counting():
+    """counting blocks: physical blocks shared by three sequences count once"""
+    pool = BlockAllocator(16)
+    a = Sequence("a", pool, range(40))  # 3 blocks, the last one partly full
+    b, c = a.fork("b"), share_prefix(a, "c", 32)
+    _expect(pool.num_used == 3, f"3 shared blocks counted as {pool.num_used}")
+    check_invariants(pool, [a, b, c])
+
+
+def check_refused_changes_nothing():
+    """a refused prompt, extend or copy-on-write changes nothing"""
+    pool = BlockAllocator(3, 4)
+    a = Sequence("a", pool, range(10))  # 3 blocks: the pool is full
+    b = a.fork("b")
+    attempts = [lambda: Sequence("c", pool, [1]), lambda: a.extend(range(5)), lambda: b.append(7)]
+    for attempt in attempts:
+        before = snapshot(pool, [a, b])
+        try:
+            attempt()
+        except OutOfBlocksError:
+            _expect(snapshot(pool, [a, b]) == before, "a refused call changed state")
+        else:
+            raise AssertionError("a call that cannot fit was not refused")
+
+
+def check_random_ops():
+    """random operations vs a plain-list model, invariants after each (1,500)"""
+    for block_size, seed in ((1, 0), (3, 1), (16, 2)):
+        fuzz(BlockAllocator(12, block_size), random.Random(seed), 500)
+
+
+CHECKS = [check_block_boundary, check_free_shared, check_counting,
+          check_refused_changes_nothing, check_random_ops]
+
+
+def run_checks():
+    print("== correctness checks ==")
+    for check in CHECKS:
+        check()  # raises AssertionError, naming what broke
+        print(f"{check.__doc__:<76} ok")
+
+
+# ---------------------------------------------------------------------------------------
+# Part 5. Demos: why paging wins
+# ---------------------------------------------------------------------------------------
+
+POOL_BLOCKS = 4096  # blocks in the demo pool (65,536 token slots)
+MAX_LEN = 2048      # tokens  a request may grow to: what naive serving reserves
+ACTUAL_LEN = 768    # tokens  a request really reaches
+NUM_REQUESTS = 50   # requests sharing one system prompt
+SYSTEM_LEN = 1024   # tokens  of system prompt
+USER_LEN = 40       # tokens  of each request's own message
+
+
+def random_tokens(rng, n, vocab=32_000):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def admit_until_full(admit):
+    """Call admit(i) for i = 0, 1, ... until the pool refuses; return how many fit."""
+    count = 0
+    while True:
+        try:
+            admit(count)
+        except OutOfBlocksError:
+            return count
+        count += 1
+
+
+def reserve_max_len(allocator, tokens, max_len):
+    """The scheme before paging: reserve max_len slots up front, then write the tokens."""
+    table = BlockTable(allocator.block_size, allocator.allocate_many(
+        cdiv(max_len, allocator.block_size)))
+    for i, token in enumerate(tokens):
+        block, offset = table.slot(i)
+        allocator.slots(block)[offset] = token
+
+
+def written_share(allocator):
+    """Share of the in-use slots that hold a token (in a fresh pool, None = never written)."""
+    in_use = [allocator.read(block) for block in allocator.ref_cnt]
+    written = sum(slot is not None for slots in in_use for slot in slots)
+    return written / (len(in_use) * allocator.block_size)
+
+
+def demo_memory():
+    rng = random.Random(0)
+    naive_pool, paged_pool = BlockAllocator(POOL_BLOCKS), BlockAllocator(POOL_BLOCKS)
+    request = random_tokens(rng, ACTUAL_LEN)
+    naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
+    paged = admit_until_full(lambda i: Sequence(i, paged_pool, request))
+    print(f"== memory efficiency: sequences that fit in a {POOL_BLOCKS}-block pool ==")
+    print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
+    print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
+          f"   ({paged / naive:.1f}x)")
+    naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
+    print(f"slots in use that hold a token: naive {naive_written:.1%} "
+          f"({1 - naive_written:.1%} reserved, never written), paged {paged_written:.1%}")
+    print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} "
+          f"(a request needs {cdiv(ACTUAL_LEN, paged_pool.block_size)} blocks paged, "
+          f"{cdiv(MAX_LEN, naive_pool.block_size)} naive)")
+
+
+def block_map(allocator, sequences):
+    """One line per sequence: its block table as [block:ref-count] cells."""
+    return [f"    {str(seq.seq_id):<4}" + "".join(
+        f"[{block:>3}:{allocator.refcount(block)}]" for block in seq.block_table)
+        for seq in sequences]
+
+
+def demo_sharing():
+    rng = random.Random(1)
+    system = random_tokens(rng, SYSTEM_LEN)
+    users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
+    alone = BlockAllocator(POOL_BLOCKS)
+    for i, user in enumerate(users):
+        Sequence(i, alone, system + user)
+    shared = BlockAllocator(POOL_BLOCKS)
+    root = Sequence("system", shared, system)
+    requests = [share_prefix(root, i) for i in range(NUM_REQUESTS)]
+    for request, user in zip(requests, users):
+        request.extend(user)
+    check_invariants(shared, [root, *requests])
+    print(f"== prefix sharing: {NUM_REQUESTS} requests, shared {SYSTEM_LEN}-token system prompt ==")
+    print(f"without sharing : {alone.num_used:>5} blocks used")
+    print(f"with sharing    : {shared.num_used:>5} blocks used   ({alone.num_used / shared.num_used:.1f}x"
+          f" less; shared prefix stored once)")
+    demo_cow()
+
+
+def demo_cow():
+    pool = BlockAllocator(8)
+    a = Sequence("a", pool, range(20))  # 16 tokens in block 0, 4 in block 1
+    b = a.fork("b")
+    before = block_map(pool, [a, b])
+    b.append(99)
+    forked = b.block_table[-1] != a.block_table[-1] and pool.num_copies == 1
+    reads_ok = a.read() == list(range(20)) and b.read() == list(range(20)) + [99]
+    refs = [pool.refcount(block) for block in (a.block_table[0], a.block_table[1], b.block_table[1])]
+    refs_ok = refs == [2, 1, 1]
+    check_invariants(pool, [a, b])
+    print(f"copy-on-write   : divergence {'forked block' if forked else 'WROTE IN PLACE'}; "
+          f"refcounts {'correct' if refs_ok else f'WRONG {refs}'}"
+          f"{'' if reads_ok else '; READS WRONG'}")
+    _expect(forked and refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
+    print("  a holds 20 tokens; b = a.fork('b'): both tables point at the same blocks "
+          "[block:ref-count]")
+    print("\n".join(before))
+    print(f"  b.append(99) must not write into block {a.block_table[1]}, which a still reads:"
+          f" b copies it to block {b.block_table[1]} first")
+    print("\n".join(block_map(pool, [a, b])))
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+SECTIONS = {
+    "checks": run_checks,
+    "memory": demo_memory,
+    "sharing": demo_sharing,
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="The paged KV-cache lab: run every section, or only the ones named.")
+    parser.add_argument("sections", nargs="*", metavar="SECTION",
+                        help=f"any of: {', '.join(SECTIONS)} (default: all, in this order)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sections if name not in SECTIONS]
+    if len(unknown) > 0:
+        parser.error(f"unknown section {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    for i, name in enumerate(args.sections or list(SECTIONS)):
+        if i > 0:
+            print()
+        SECTIONS[name]()
+
+
+if __name__ == "__main__":
+    main()

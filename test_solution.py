@@ -1,0 +1,357 @@
+"""Tests for the paged KV-cache lab. Run: python -m pytest test_solution.py
+
+The oracle behind every structure is a plain Python list of tokens: whatever the pool and
+the block tables do, each sequence must read back exactly that list.
+"""
+
+import random
+
+import pytest
+
+from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlocksError,
+                      Sequence, check_invariants, fuzz, main, share_prefix, snapshot)
+
+
+def refused(call, exception, pool, sequences, match=None):
+    """Assert call raises exception (message matching match) and changes nothing."""
+    before = snapshot(pool, sequences)
+    with pytest.raises(exception, match=match):
+        call()
+    assert snapshot(pool, sequences) == before
+
+
+# -- the pool --------------------------------------------------------------------------
+
+def test_pool_shape_and_defaults():
+    pool = BlockAllocator(10)
+    assert (pool.num_blocks, pool.block_size, BLOCK_SIZE) == (10, 16, 16)
+    assert (pool.num_free, pool.num_used) == (10, 0)
+
+
+@pytest.mark.parametrize("num_blocks, block_size, exception", [
+    (0, 16, ValueError), (-3, 16, ValueError), (4, 0, ValueError), (4, -1, ValueError),
+    ("4", 16, TypeError), (4.0, 16, TypeError), (4, 1.5, TypeError), (True, 16, TypeError),
+    (None, 16, TypeError)])
+def test_pool_rejects_bad_sizes(num_blocks, block_size, exception):
+    with pytest.raises(exception, match="must be a positive int"):
+        BlockAllocator(num_blocks, block_size)
+
+
+def test_allocate_until_empty_then_refuse():
+    pool = BlockAllocator(3)
+    blocks = [pool.allocate() for _ in range(3)]
+    assert sorted(blocks) == [0, 1, 2] and pool.num_free == 0 and pool.num_used == 3
+    refused(pool.allocate, OutOfBlocksError, pool, [], match="all 3 blocks")
+    assert issubclass(OutOfBlocksError, MemoryError)
+
+
+def test_allocate_many_is_all_or_nothing():
+    pool = BlockAllocator(4)
+    pool.allocate()
+    refused(lambda: pool.allocate_many(4), OutOfBlocksError, pool, [], match="need 4")
+    assert len(pool.allocate_many(3)) == 3
+
+
+def test_share_and_free_count_references():
+    pool = BlockAllocator(2)
+    block = pool.allocate()
+    assert pool.share(block) == block and pool.refcount(block) == 2
+    pool.free(block)
+    assert pool.refcount(block) == 1 and pool.num_used == 1
+    pool.free(block)
+    assert pool.refcount(block) == 0 and pool.num_free == 2
+
+
+@pytest.mark.parametrize("method", ["share", "free"])
+@pytest.mark.parametrize("block, match", [
+    (1, "is free"), (-1, "unknown block"), (2, "unknown block"), ("0", "unknown block"),
+    (None, "unknown block"), (0.0, "unknown block")])
+def test_share_and_free_reject_free_or_unknown_blocks(method, block, match):
+    pool = BlockAllocator(2)
+    pool.allocate()  # block 0 in use, block 1 free
+    refused(lambda: getattr(pool, method)(block), ValueError, pool, [], match=match)
+
+
+def test_double_free_is_refused():
+    pool = BlockAllocator(2)
+    block = pool.allocate()
+    pool.free(block)
+    refused(lambda: pool.free(block), ValueError, pool, [], match="double free")
+
+
+@pytest.mark.parametrize("block", [-1, 5, "1", None])
+def test_refcount_and_read_reject_unknown_blocks(block):
+    pool = BlockAllocator(5)
+    for method in (pool.refcount, pool.read):
+        refused(lambda: method(block), ValueError, pool, [], match="unknown block")
+
+
+def test_read_returns_a_copy_and_reused_blocks_are_not_cleared():
+    pool = BlockAllocator(1, 4)
+    seq = Sequence("a", pool, [5, 6, 7])
+    block = seq.block_table[0]
+    assert pool.read(block) == [5, 6, 7, None]
+    pool.read(block)[0] = 99
+    assert pool.read(block)[0] == 5  # a copy, not the memory
+    seq.free()
+    again = Sequence("b", pool, [8])
+    assert again.block_table[0] == block and pool.read(block) == [8, 6, 7, None]
+    assert again.read() == [8]  # the table and the length, not the memory, decide
+
+
+def test_freed_blocks_are_reused_before_fresh_ones():
+    pool = BlockAllocator(10)
+    a, b = pool.allocate(), pool.allocate()
+    pool.free(a)
+    assert pool.allocate() == a and pool.allocate() == 2 and b == 1
+
+
+# -- block tables and sequences --------------------------------------------------------
+
+def test_block_table_slot_worked_example():
+    table = BlockTable(16, [7, 2])
+    assert list(table) == [7, 2] and len(table) == 2 and table[1] == 2
+    assert table.slot(0) == (7, 0) and table.slot(17) == (2, 1) and table.slot(31) == (2, 15)
+    for bad in (-1, 32, "3"):
+        with pytest.raises(IndexError, match="outside"):
+            table.slot(bad)
+
+
+def test_sequence_allocates_only_what_it_needs():
+    pool = BlockAllocator(10)
+    seq = Sequence("a", pool, range(33))
+    assert (seq.seq_id, len(seq), seq.tokens) == ("a", 33, list(range(33)))
+    assert len(seq.block_table) == 3 and pool.num_used == 3
+    assert Sequence("empty", pool).block_table == [] and pool.num_used == 3
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+def test_block_boundary_off_by_one(block_size):
+    # Exactly k * block_size tokens need k blocks; one more token needs k + 1; and the
+    # new block appears on the token that starts it, by prompt, append or extend.
+    pool = BlockAllocator(64, block_size)
+    for k in (1, 2, 3):
+        assert len(Sequence("p", pool, range(k * block_size)).block_table) == k
+        assert len(Sequence("q", pool, range(k * block_size + 1)).block_table) == k + 1
+    by_append, by_extend = Sequence("a", pool), Sequence("e", pool)
+    for n in range(1, 2 * block_size + 2):
+        by_append.append(n)
+        by_extend.extend([n])
+        assert len(by_append.block_table) == len(by_extend.block_table) == -(-n // block_size)
+        block, offset = by_append.block_table.slot(n - 1)
+        assert block == by_append.block_table[(n - 1) // block_size]
+        assert offset == (n - 1) % block_size and pool.read(block)[offset] == n
+    assert by_append.read() == by_extend.read() == list(range(1, 2 * block_size + 2))
+
+
+def test_extend_crosses_several_blocks_in_one_call():
+    pool = BlockAllocator(10, 3)
+    seq = Sequence("a", pool, [1])
+    seq.extend(range(2, 12))  # 11 tokens: 4 blocks
+    assert len(seq.block_table) == 4 and seq.read() == list(range(1, 12))
+    check_invariants(pool, [seq])
+
+
+@pytest.mark.parametrize("bad, exception", [
+    ("a", TypeError), (-1, ValueError), (True, TypeError), (1.0, TypeError), (None, TypeError)])
+def test_bad_token_ids_are_refused_and_change_nothing(bad, exception):
+    pool = BlockAllocator(4, 4)
+    seq = Sequence("a", pool, [1, 2])
+    refused(lambda: Sequence("b", pool, [3, bad]), exception, pool, [seq], match="token ids")
+    refused(lambda: seq.append(bad), exception, pool, [seq], match="token ids")
+    refused(lambda: seq.extend([3, 4, 5, bad]), exception, pool, [seq], match="token ids")
+    assert seq.read() == [1, 2]
+
+
+def test_sequence_needs_a_pool_and_iterable_tokens():
+    with pytest.raises(TypeError, match="BlockAllocator"):
+        Sequence("a", object())
+    with pytest.raises(TypeError):
+        Sequence("a", BlockAllocator(2), 5)
+
+
+def test_use_after_free_is_refused():
+    pool = BlockAllocator(4)
+    seq = Sequence("a", pool, range(20))
+    seq.free()
+    assert pool.num_free == 4 and seq.block_table == []
+    for use in (lambda: seq.append(1), lambda: seq.extend([1]), seq.read, seq.free,
+                lambda: seq.fork("b"), lambda: share_prefix(seq, "b", 3)):
+        refused(use, ValueError, pool, [seq], match="was freed")
+
+
+def test_a_failed_prompt_extend_or_copy_changes_nothing():
+    pool = BlockAllocator(4, 4)
+    a = Sequence("a", pool, range(10))   # 3 blocks, the last one half full
+    b = a.fork("b")                      # shares all three
+    refused(lambda: Sequence("c", pool, range(5)), OutOfBlocksError, pool, [a, b])
+    refused(lambda: a.extend(range(7)), OutOfBlocksError, pool, [a, b])  # copy + 1 block
+    Sequence("d", pool, [1])             # the pool is now full
+    refused(lambda: b.append(1), OutOfBlocksError, pool, [a, b])  # needs a copy
+    refused(lambda: a.extend([1, 2, 3]), OutOfBlocksError, pool, [a, b])
+    assert a.read() == b.read() == list(range(10))
+
+
+# -- sharing and copy-on-write ---------------------------------------------------------
+
+def test_free_shared_block_keeps_it_for_the_other_holder():
+    pool = BlockAllocator(4)
+    a = Sequence("a", pool, range(20))
+    b = a.fork("b")
+    a.free()
+    assert [pool.refcount(x) for x in b.block_table] == [1, 1] and pool.num_used == 2
+    assert b.read() == list(range(20))
+    fresh = Sequence("c", pool, range(100, 132))  # takes only the two free blocks
+    assert set(fresh.block_table).isdisjoint(b.block_table) and b.read() == list(range(20))
+    check_invariants(pool, [b, fresh])
+
+
+@pytest.mark.parametrize("block_size", [3, 16, 32])
+def test_cow_on_divergence(block_size):
+    pool = BlockAllocator(8, block_size)
+    prompt = list(range(block_size + 2))  # one full block and a partial one
+    a = Sequence("a", pool, prompt)
+    b = a.fork("b")
+    shared_tail = a.block_table[-1]
+    b.append(1000)
+    assert b.block_table[-1] != shared_tail and a.block_table[-1] == shared_tail
+    assert b.block_table[0] == a.block_table[0]            # the full block stays shared
+    assert pool.read(shared_tail)[len(prompt) % block_size] is None  # a's memory untouched
+    assert a.read() == prompt and b.read() == prompt + [1000]
+    assert [pool.refcount(x) for x in (a.block_table[0], shared_tail, b.block_table[-1])] == [2, 1, 1]
+    assert pool.num_copies == 1
+    a.append(2000)  # a is now the tail's only holder: writes in place, no copy
+    assert a.block_table[-1] == shared_tail and pool.num_copies == 1
+    check_invariants(pool, [a, b])
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    pool = BlockAllocator(8, 4)
+    a = Sequence("a", pool, range(8))  # exactly two full blocks
+    b = a.fork("b")
+    a.append(1)
+    b.append(2)
+    assert pool.num_copies == 0 and a.block_table[:2] == b.block_table[:2]
+    assert a.block_table[2] != b.block_table[2]
+    check_invariants(pool, [a, b])
+
+
+def test_fork_mid_block_copies_once_per_writer_while_shared():
+    pool = BlockAllocator(16, 4)
+    a = Sequence("a", pool, range(6))
+    forks = [a.fork(i) for i in range(3)]   # the tail block has 4 holders
+    for i, seq in enumerate(forks):
+        seq.append(i)
+    assert pool.num_copies == 3
+    a.append(9)                             # a is the last holder: no copy
+    assert pool.num_copies == 3
+    check_invariants(pool, [a, *forks])
+
+
+def test_share_prefix_references_the_source_blocks_including_a_partial_one():
+    pool = BlockAllocator(8, 4)
+    src = Sequence("src", pool, range(10))            # blocks [x, y, z], z holds 2
+    mid = share_prefix(src, "mid", 5)                 # covers x fully and 1 token of y
+    assert mid.block_table == src.block_table[:2] and mid.read() == list(range(5))
+    assert [pool.refcount(x) for x in src.block_table] == [2, 2, 1]
+    mid.append(50)                                    # y is shared: mid copies it
+    assert mid.block_table[1] != src.block_table[1] and src.read() == list(range(10))
+    assert mid.read() == [0, 1, 2, 3, 4, 50]
+    whole, empty = share_prefix(src, "all"), share_prefix(src, "none", 0)
+    assert whole.read() == list(range(10)) and empty.block_table == []
+    check_invariants(pool, [src, mid, whole, empty])
+
+
+@pytest.mark.parametrize("num_tokens, exception", [
+    (-1, ValueError), (11, ValueError), ("3", TypeError), (2.0, TypeError)])
+def test_share_prefix_rejects_bad_lengths(num_tokens, exception):
+    pool = BlockAllocator(8, 4)
+    src = Sequence("src", pool, range(10))
+    refused(lambda: share_prefix(src, "x", num_tokens), exception, pool, [src],
+            match="num_tokens")
+
+
+def test_counting_physical_blocks_counts_shared_ones_once():
+    pool = BlockAllocator(64)
+    root = Sequence("root", pool, range(64))         # 4 blocks
+    users = [share_prefix(root, i) for i in range(10)]
+    for i, seq in enumerate(users):
+        seq.extend([i] * 20)                          # 2 new blocks each (20 tokens)
+    assert pool.num_used == 4 + 10 * 2
+    assert sum(len(seq.block_table) for seq in [root, *users]) == 4 + 10 * 6
+    check_invariants(pool, [root, *users])
+
+
+# -- the checks can fail ---------------------------------------------------------------
+
+def test_check_invariants_names_each_broken_invariant():
+    pool = BlockAllocator(8, 4)
+    a = Sequence("a", pool, range(6))
+    b = a.fork("b")
+    check_invariants(pool, [a, b])
+    with pytest.raises(AssertionError, match="ref-count != block-table references"):
+        check_invariants(pool, [a])                   # b's references look like a leak
+    pool.ref_cnt[a.block_table[0]] += 1
+    with pytest.raises(AssertionError, match="ref-count != block-table references"):
+        check_invariants(pool, [a, b])
+    pool.ref_cnt[a.block_table[0]] -= 1
+    pool.slots(a.block_table[1])[0] = 77              # a write that skipped copy-on-write
+    with pytest.raises(AssertionError, match="read-back"):
+        check_invariants(pool, [a, b])
+    pool.slots(a.block_table[1])[0] = 4
+    pool.free_block_ids.append(a.block_table[0])      # a block both used and free
+    with pytest.raises(AssertionError, match="free list"):
+        check_invariants(pool, [a, b])
+    pool.free_block_ids.pop()
+    a.block_table.pop()
+    with pytest.raises(AssertionError, match="block count"):
+        check_invariants(pool, [a, b])
+
+
+def test_fuzz_notices_a_broken_copy_on_write(monkeypatch):
+    # The randomized test is only worth running if it catches the classic bug.
+    monkeypatch.setattr(BlockAllocator, "writable", lambda self, block: True)
+    with pytest.raises(AssertionError):
+        fuzz(BlockAllocator(12, 3), random.Random(0), 300)
+
+
+# -- randomized: thousands of mixed operations against a plain-list model --------------
+
+@pytest.mark.parametrize("block_size", [1, 3, 5, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_against_a_list_model(block_size, seed):
+    counts = fuzz(BlockAllocator(12, block_size), random.Random(seed), 1000)
+    for op in ("create", "append", "extend", "fork", "share", "free", "refused"):
+        assert counts[op] > 0, f"the run never did {op}"
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+def test_the_lab_checks_pass(check):
+    check()
+
+
+# -- the command line ------------------------------------------------------------------
+
+def test_default_run_prints_the_core_results(capsys):
+    main(["memory", "sharing"])
+    out = capsys.readouterr().out
+    for line in [
+        "== memory efficiency: sequences that fit in a 4096-block pool ==",
+        "naive contiguous (reserve max_len=2048)  :   32 sequences",
+        "paged (allocate-on-demand, actual=768)    :   85 sequences   (2.7x)",
+        "== prefix sharing: 50 requests, shared 1024-token system prompt ==",
+        "without sharing :  3350 blocks used",
+        "with sharing    :   214 blocks used   (15.7x less; shared prefix stored once)",
+        "copy-on-write   : divergence forked block; refcounts correct",
+    ]:
+        assert line in out.splitlines()
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_sections_run_alone_and_unknown_ones_are_refused(capsys):
+    main(["checks"])
+    out = capsys.readouterr().out
+    assert "correctness checks" in out and "memory efficiency" not in out
+    assert out.count(" ok\n") == len(CHECKS)
+    with pytest.raises(SystemExit):
+        main(["nonsense"])
