@@ -655,23 +655,35 @@ def block_map(allocator, sequences):
         for seq in sequences]
 
 
-def demo_sharing():
+def system_prompt_workload():
+    """NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN tokens each."""
     rng = random.Random(1)
     system = random_tokens(rng, SYSTEM_LEN)
-    users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
-    alone = BlockAllocator(POOL_BLOCKS)
-    for i, user in enumerate(users):
-        Sequence(i, alone, system + user)
-    shared = BlockAllocator(POOL_BLOCKS)
-    root = Sequence("system", shared, system)
-    requests = [share_prefix(root, i) for i in range(NUM_REQUESTS)]
-    for request, user in zip(requests, users):
-        request.extend(user)
-    check_invariants(shared, [root, *requests])
+    return system, [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
+
+
+def admit_requests(pool, system, users, share):
+    """Admit every request; with share, through share_prefix of one system sequence."""
+    if share:
+        root = Sequence("system", pool, system)
+        requests = [root] + [share_prefix(root, i) for i in range(len(users))]
+        for request, user in zip(requests[1:], users):
+            request.extend(user)
+    else:
+        requests = [Sequence(i, pool, system + user) for i, user in enumerate(users)]
+    check_invariants(pool, requests)
+    return requests
+
+
+def demo_sharing():
+    system, users = system_prompt_workload()
+    alone, shared = BlockAllocator(POOL_BLOCKS), BlockAllocator(POOL_BLOCKS)
+    admit_requests(alone, system, users, share=False)
+    admit_requests(shared, system, users, share=True)
     print(f"== prefix sharing: {NUM_REQUESTS} requests, shared {SYSTEM_LEN}-token system prompt ==")
     print(f"without sharing : {alone.num_used:>5} blocks used")
-    print(f"with sharing    : {shared.num_used:>5} blocks used   ({alone.num_used / shared.num_used:.1f}x"
-          f" less; shared prefix stored once)")
+    print(f"with sharing    : {shared.num_used:>5} blocks used   "
+          f"({alone.num_used / shared.num_used:.1f}x less; shared prefix stored once)")
     demo_cow()
 
 
@@ -699,6 +711,243 @@ def demo_cow():
 
 
 # ---------------------------------------------------------------------------------------
+# Part 6. Extension: automatic prefix caching
+# ---------------------------------------------------------------------------------------
+# share_prefix needs the caller to know who shares what. A server finds it by itself:
+# every full block gets a key made of its tokens and the key of the block before it, and
+# a new prompt walks its full blocks, reusing each block whose key is already cached.
+# Freed cached blocks are not forgotten; they wait, still holding their KV, until memory
+# is needed, and then the least recently used goes first. This is vLLM's automatic prefix
+# caching (SGLang's RadixAttention keeps the same keys as paths in a radix tree).
+
+def hash_block_tokens(parent_hash, token_ids):
+    """The key of a full block: SHA-256 of the previous block's key and this block's tokens.
+
+    NOTE: chaining makes the key cover tokens 0..end of this block, so equal tokens after a
+    different history never match (their KV differs: attention saw other tokens). SHA-256
+    rather than Python's hash(): a collision would hand one prompt another prompt's KV, and
+    a 64-bit hash can be collided on purpose; vLLM switched to SHA-256 for that reason. We
+    trust the hash and do not compare tokens on a hit, as vLLM does.
+    """
+    return hashlib.sha256(repr((parent_hash, tuple(token_ids))).encode()).digest()
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A block pool that remembers full blocks by key, so later prompts reuse them.
+
+    Invariants: cached_block_hash_to_block and block_hash are inverse maps over the cached
+    blocks; a cached block holds exactly its key's tokens. A cached block nobody references
+    is evictable: free (counted in num_free) but kept, least recently freed first.
+    """
+
+    enable_caching = True
+
+    def __init__(self, num_blocks, block_size=BLOCK_SIZE):
+        super().__init__(num_blocks, block_size)
+        self.cached_block_hash_to_block = {}  # key -> block (vLLM's name for this map)
+        self.block_hash = {}                  # block -> key, for every cached block
+        self.evictable = OrderedDict()        # free cached blocks, least recently freed first
+        self.hits = 0       # full prompt blocks found in the cache at admission
+        self.misses = 0     # full prompt blocks not found
+        self.evictions = 0  # cached blocks given to someone else
+        # NOTE: vLLM keeps cached and uncached free blocks in one queue and pops its head.
+        # Two structures let us hand out never-cached blocks first and evict only when
+        # nothing else is left. OrderedDict gives O(1) append, removal from the middle (a
+        # revived block) and pop of the oldest: the three things vLLM's intrusive doubly
+        # linked list is for.
+
+    @property
+    def hit_rate(self):
+        total = self.hits + self.misses
+        return self.hits / total if total > 0 else 0.0
+
+    @property
+    def num_cached(self):
+        """Evictable cached blocks right now."""
+        return len(self.evictable)
+
+    def allocate_prompt(self, token_ids):
+        """Reuse the longest run of leading full blocks whose keys are cached; allocate the
+        rest. All or nothing: reviving an evictable block takes it out of num_free too."""
+        block_size = self.block_size
+        num_full = len(token_ids) // block_size
+        keys, hits = [], []
+        for k in range(num_full):
+            key = hash_block_tokens(keys[-1] if k > 0 else None,
+                                    token_ids[k * block_size:(k + 1) * block_size])
+            block = self.cached_block_hash_to_block.get(key)
+            if block is None:
+                break
+            keys.append(key)
+            hits.append(block)
+        num_new = cdiv(len(token_ids), block_size) - len(hits)
+        self.ensure_free(num_new + sum(1 for block in hits if block in self.evictable))
+        for block in hits:
+            self._touch(block)
+        self.hits += len(hits)
+        self.misses += num_full - len(hits)
+        return hits + self.allocate_many(num_new), keys
+
+    def cache_full_block(self, block, parent_hash, token_ids):
+        """Index a block that just became full; return its key."""
+        key = hash_block_tokens(parent_hash, token_ids)
+        # NOTE: if another block already holds this key (two sequences filled identical
+        # blocks independently), the first stays the cached one and this block remains a
+        # private, uncached copy. vLLM v1 keeps both; one is enough to show the idea.
+        if key not in self.cached_block_hash_to_block:
+            self.cached_block_hash_to_block[key] = block
+            self.block_hash[block] = key
+        return key
+
+    def writable(self, block):
+        # NOTE: a cached block is immutable even with one holder: a sequence that shares a
+        # block only partly (share_prefix mid-block) would otherwise overwrite KV that the
+        # cache will hand to the next prompt with this key. It copies instead.
+        return super().writable(block) and block not in self.block_hash
+
+    def free_blocks(self):
+        return super().free_blocks() + list(self.evictable)
+
+    def audit(self):
+        super().audit()
+        _expect(all(self.cached_block_hash_to_block.get(key) == block
+                    for block, key in self.block_hash.items())
+                and len(self.block_hash) == len(self.cached_block_hash_to_block),
+                "cache: the key->block and block->key maps disagree")
+        _expect(all(block in self.block_hash and block not in self.ref_cnt
+                    for block in self.evictable),
+                "cache: an evictable block is uncached or still referenced")
+
+    def _touch(self, block):
+        """Take a reference to a cached block, reviving it if it was evictable."""
+        self.evictable.pop(block, None)
+        self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
+
+    def _release(self, block):
+        if block in self.block_hash:
+            self.evictable[block] = None  # appended: the most recently freed
+        else:
+            super()._release(block)
+
+    def _pop_free(self):
+        if len(self.free_block_ids) > 0 or self.next_fresh < self.num_blocks:
+            return super()._pop_free()  # a block no cache entry will miss
+        block, _ = self.evictable.popitem(last=False)  # the least recently freed
+        del self.cached_block_hash_to_block[self.block_hash.pop(block)]
+        self.evictions += 1
+        return block
+
+
+def demo_cache():
+    print("== cache: automatic prefix caching (hash-chained full blocks, LRU eviction) ==")
+    cache_same_blocks_as_sharing()
+    cache_multi_turn()
+    cache_under_pressure()
+    cache_chained_keys()
+
+
+def cache_same_blocks_as_sharing():
+    system, users = system_prompt_workload()
+    explicit, cached = BlockAllocator(POOL_BLOCKS), PrefixCachingAllocator(POOL_BLOCKS)
+    admit_requests(explicit, system, users, share=True)
+    admit_requests(cached, system, users, share=False)
+    print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
+    print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
+    print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
+          f"{cached.hit_rate:.1%} ({cached.hits} of {cached.hits + cached.misses} full "
+          f"prompt blocks)")
+
+
+def cache_multi_turn():
+    rng = random.Random(3)
+    pool = PrefixCachingAllocator(64)
+    turn1 = Sequence("turn 1", pool, random_tokens(rng, 200))  # system prompt + question
+    for token in random_tokens(rng, 100):                       # the answer, decoded
+        turn1.append(token)
+    history, blocks1 = turn1.tokens[:], list(turn1.block_table)
+    turn1.free()
+    print(f"2. multi-turn chat: turn 1 = 200-token prompt + 100-token answer in "
+          f"{len(blocks1)} blocks, then freed")
+    partial = "not cached" if blocks1[-1] not in pool.block_hash else "CACHED"
+    print(f"   live sequences: 0; cached, evictable blocks: {pool.num_cached}; "
+          f"the partial last block: {partial}")
+    hits_before = pool.hits
+    turn2 = Sequence("turn 2", pool, history + random_tokens(rng, 30))
+    reused = turn2.block_table[:pool.hits - hits_before]
+    same = "the same physical blocks" if reused == blocks1[:len(reused)] else "OTHER BLOCKS"
+    print(f"   turn 2 = turn 1 + answer + 30 new tokens = {len(turn2)} tokens: "
+          f"{len(reused)} of its {len(turn2) // pool.block_size} full blocks from the cache")
+    print(f"   ({same} as turn 1: {len(reused) * pool.block_size} tokens not prefilled "
+          f"again)")
+    check_invariants(pool, [turn2])
+
+
+def chat_stream(num_conversations=12, num_turns=4, seed=4):
+    """Chat requests, round robin over conversations: (prompt, answer) pairs where each
+    prompt = a shared 200-token system prompt + the conversation so far + 40 new tokens."""
+    rng = random.Random(seed)
+    system = random_tokens(rng, 200)
+    histories = [list(system) for _ in range(num_conversations)]
+    stream = []
+    for _ in range(num_turns):
+        for history in histories:
+            history.extend(random_tokens(rng, 40))
+            answer = random_tokens(rng, 60)
+            stream.append((list(history), answer))
+            history.extend(answer)
+    return stream
+
+
+def serve_stream(pool, stream):
+    """Serve requests one at a time: admit the prompt, decode the answer, free."""
+    for i, (prompt, answer) in enumerate(stream):
+        seq = Sequence(i, pool, prompt)
+        seq.extend(answer)
+        seq.free()
+
+
+def cache_under_pressure():
+    stream = chat_stream()
+    print(f"3. under pressure: {len(stream)} chat requests (12 conversations x 4 turns, "
+          f"round robin), one at a time")
+    print("   pool blocks   hit rate    hits   evictions   cached at end")
+    rows = []
+    for num_blocks in (512, 256, 128, 64, 40):
+        pool = PrefixCachingAllocator(num_blocks)
+        serve_stream(pool, stream)
+        rows.append((num_blocks, pool.hit_rate, pool.hits, pool.num_cached))
+        print(f"   {num_blocks:>11}   {pool.hit_rate:>8.1%}   {pool.hits:>5}   "
+              f"{pool.evictions:>9}   {pool.num_cached:>13}")
+    roomy, tight = rows[0], rows[-1]
+    system_hits = (len(stream) - 1) * (200 // BLOCK_SIZE)  # every later request, 12 blocks
+    floor = ("only the system prompt still hits"
+             if tight[2] == system_hits else f"{tight[2]} blocks still hit")
+    print(f"   conclusion: room for the working set ({roomy[3]} blocks) reuses {roomy[1]:.0%} "
+          f"of prompt blocks; at {tight[0]}")
+    print(f"   blocks LRU evicts each history before its next turn: {floor} ({tight[1]:.0%})")
+
+
+def cache_chained_keys():
+    pool = PrefixCachingAllocator(16, 4)
+    x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    a = Sequence("a", pool, x + y)
+    b = Sequence("b", pool, z + y)  # the same block of tokens y, after another history
+    alone = "equal" if hash_block_tokens(None, a.tokens[4:]) == hash_block_tokens(
+        None, b.tokens[4:]) else "different"
+    chained = "EQUAL" if a.block_hashes[1] == b.block_hashes[1] else "different"
+    hits_b = pool.hits
+    c = Sequence("c", pool, x + y + [13])
+    print("4. chained keys: a = X+Y, b = Z+Y; block Y holds the same 4 tokens in both")
+    print(f"   key of Y's tokens alone : {alone} -> a per-block cache would give b a's "
+          f"block (KV made after X)")
+    print(f"   chained key of Y        : {chained} -> a {list(a.block_table)}, "
+          f"b {list(b.block_table)}, b's hits: {hits_b}")
+    print(f"   c = X+Y+1 token         : hits {pool.hits - hits_b}, blocks "
+          f"{list(c.block_table)} (same history, same blocks)")
+    check_invariants(pool, [a, b, c])
+
+
+# ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
 
@@ -706,6 +955,7 @@ SECTIONS = {
     "checks": run_checks,
     "memory": demo_memory,
     "sharing": demo_sharing,
+    "cache": demo_cache,
 }
 
 

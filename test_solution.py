@@ -9,7 +9,8 @@ import random
 import pytest
 
 from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlocksError,
-                      Sequence, check_invariants, fuzz, main, share_prefix, snapshot)
+                      PrefixCachingAllocator, Sequence, check_invariants, fuzz,
+                      hash_block_tokens, main, share_prefix, snapshot)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -328,6 +329,148 @@ def test_random_operations_against_a_list_model(block_size, seed):
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
 def test_the_lab_checks_pass(check):
     check()
+
+
+# -- prefix caching --------------------------------------------------------------------
+
+def test_cache_hits_and_misses_on_an_exact_scenario():
+    pool = PrefixCachingAllocator(16, 4)
+    assert (pool.hits, pool.misses, pool.hit_rate, pool.num_cached) == (0, 0, 0.0, 0)
+    a = Sequence("a", pool, range(10))            # 2 full blocks (misses) + a partial
+    assert (pool.hits, pool.misses) == (0, 2)
+    b = Sequence("b", pool, [*range(8), 50, 51, 52, 53, 54])  # 2 hits, 1 miss, a partial
+    assert (pool.hits, pool.misses) == (2, 3) and pool.hit_rate == 2 / 5
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert [pool.refcount(x) for x in a.block_table] == [2, 2, 1]
+    assert pool.num_used == 5 and b.read() == [*range(8), 50, 51, 52, 53, 54]
+    check_invariants(pool, [a, b])
+
+
+def test_a_freed_cached_block_is_revived_not_recomputed():
+    pool = PrefixCachingAllocator(8, 4)
+    first = Sequence("first", pool, range(9))
+    blocks = list(first.block_table)
+    first.free()
+    assert pool.num_cached == 2 and pool.num_free == 8   # evictable blocks count as free
+    again = Sequence("again", pool, range(9))
+    assert again.block_table[:2] == blocks[:2] and pool.hits == 2 and pool.num_cached == 0
+    assert again.read() == list(range(9)) and pool.num_free == 8 - 3
+    check_invariants(pool, [again])
+
+
+def test_blocks_filled_by_appended_tokens_are_cached_too():
+    pool = PrefixCachingAllocator(8, 4)
+    seq = Sequence("a", pool, [1, 2])
+    for token in (3, 4, 5, 6, 7, 8):
+        seq.append(token)
+    seq.free()
+    assert pool.num_cached == 2
+    assert Sequence("b", pool, range(1, 9)).block_table[:2] == [0, 1] and pool.hits == 2
+
+
+def test_partial_blocks_are_never_reused():
+    pool = PrefixCachingAllocator(8, 4)
+    a = Sequence("a", pool, range(6))             # one full block, one partial
+    b = Sequence("b", pool, range(6))
+    assert pool.hits == 1 and b.block_table[1] != a.block_table[1]
+    assert len(pool.cached_block_hash_to_block) == 1
+
+
+def test_equal_blocks_after_a_different_history_never_match():
+    pool = PrefixCachingAllocator(8, 4)
+    a = Sequence("a", pool, [1, 2, 3, 4, 9, 9, 9, 9])
+    b = Sequence("b", pool, [5, 6, 7, 8, 9, 9, 9, 9])
+    assert pool.hits == 0 and set(a.block_table).isdisjoint(b.block_table)
+    assert hash_block_tokens(None, [9] * 4) != a.block_hashes[1] != b.block_hashes[1]
+    a.free()
+    c = Sequence("c", pool, [9, 9, 9, 9])         # block 2 of a as a first block: no match
+    assert pool.hits == 0 and c.read() == [9, 9, 9, 9]
+
+
+def test_lru_evicts_the_least_recently_freed_prompt_first():
+    pool = PrefixCachingAllocator(4, 2)
+    Sequence("a", pool, [1, 1, 2, 2]).free()      # blocks 0, 1 cached
+    Sequence("b", pool, [3, 3, 4, 4]).free()      # blocks 2, 3 cached; a is older
+    Sequence("c", pool, [5, 5])                   # evicts one of a's blocks
+    assert pool.evictions == 1
+    Sequence("b2", pool, [3, 3, 4, 4])            # b survived
+    assert pool.hits == 2
+
+
+def test_a_hit_refreshes_recency():
+    pool = PrefixCachingAllocator(4, 2)
+    Sequence("a", pool, [1, 1, 2, 2]).free()
+    Sequence("b", pool, [3, 3, 4, 4]).free()
+    Sequence("a again", pool, [1, 1, 2, 2]).free()  # revived, then freed: a is now newest
+    Sequence("c", pool, [5, 5, 6, 6])               # evicts two blocks: b's
+    hits = pool.hits
+    Sequence("a third time", pool, [1, 1, 2, 2])
+    assert pool.hits - hits == 2 and pool.evictions == 2
+
+
+def test_a_sequence_is_evicted_tail_first():
+    pool = PrefixCachingAllocator(3, 2)
+    a = Sequence("a", pool, [1, 1, 2, 2, 3, 3])     # 3 cached blocks
+    keys = list(a.block_hashes)
+    a.free()                                        # tail first: the tail is the oldest
+    Sequence("b", pool, [7, 7]).free()              # evicts one block: a's tail
+    assert pool.evictions == 1
+    assert [key in pool.cached_block_hash_to_block for key in keys] == [True, True, False]
+    hits = pool.hits
+    Sequence("a again", pool, [1, 1, 2, 2, 3, 3])   # the prefix survived
+    assert pool.hits - hits == 2
+
+
+def test_never_cached_free_blocks_go_before_evicting():
+    pool = PrefixCachingAllocator(4, 2)
+    Sequence("a", pool, [1, 1, 2]).free()           # block 0 cached, block 1 plain free
+    Sequence("b", pool, [5, 5, 6, 6])               # blocks 1, 2 (the never-cached ones)
+    assert pool.evictions == 0 and pool.num_cached == 1
+
+
+def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks():
+    pool = PrefixCachingAllocator(4, 2)
+    Sequence("a", pool, [1, 1, 2, 2, 3, 3]).free()  # 3 cached, evictable blocks
+    keep = Sequence("keep", pool, [9])              # 1 in use; free: 3, all cached
+    # 2 hits revived + 2 new blocks = 4 > 3 free: refused, counters and cache untouched.
+    refused(lambda: Sequence("b", pool, [1, 1, 2, 2, 8, 8, 8]), OutOfBlocksError, pool, [keep])
+    assert (pool.hits, pool.misses, pool.evictions) == (0, 3, 0)
+    fits = Sequence("c", pool, [1, 1, 2, 2, 8])     # 2 hits + 1 evicted block: fits
+    assert pool.hits == 2 and pool.evictions == 1 and fits.read() == [1, 1, 2, 2, 8]
+    check_invariants(pool, [keep, fits])
+
+
+def test_fork_and_share_prefix_keep_copy_on_write_on_a_caching_pool():
+    pool = PrefixCachingAllocator(16, 4)
+    a = Sequence("a", pool, range(6))
+    b = a.fork("b")
+    b.append(100)
+    assert pool.num_copies == 1 and a.read() == list(range(6))
+    c = share_prefix(a, "c", 5)
+    c.extend([7, 7, 7])                            # fills c's copy of block 1: cached
+    assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and len(c.block_hashes) == 2
+    check_invariants(pool, [a, b, c])
+
+
+def test_a_cached_block_is_never_written_even_with_one_holder():
+    pool = PrefixCachingAllocator(8, 4)
+    src = Sequence("src", pool, range(8))           # two full, cached blocks
+    part = share_prefix(src, "part", 6)             # covers block 1 only partly
+    src.free()                                      # part is block 1's only holder
+    part.append(99)                                 # must copy: block 1 is cached
+    assert pool.num_copies == 1 and part.read() == [0, 1, 2, 3, 4, 5, 99]
+    again = Sequence("again", pool, range(8))       # the cached KV is intact
+    assert pool.hits == 2 and again.read() == list(range(8))
+    check_invariants(pool, [part, again])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_on_a_caching_pool(block_size, seed):
+    pool = PrefixCachingAllocator(12, block_size)
+    counts = fuzz(pool, random.Random(seed), 1000)
+    assert counts["create"] > 0 and counts["refused"] > 0
+    assert pool.hits > 0 and pool.evictions > 0
 
 
 # -- the command line ------------------------------------------------------------------
