@@ -9,8 +9,10 @@ import random
 import pytest
 
 from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlocksError,
-                      PrefixCachingAllocator, Sequence, check_invariants, fuzz,
-                      hash_block_tokens, main, share_prefix, snapshot)
+                      PrefixCachingAllocator, Request, Scheduler, Sequence, check_invariants,
+                      compare_with_paper, evict_sweep, expected_tokens, fuzz,
+                      hash_block_tokens, lru_victim, main, preemption_workload, share_prefix,
+                      snapshot, swap_in, swap_out)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -471,6 +473,108 @@ def test_random_operations_on_a_caching_pool(block_size, seed):
     counts = fuzz(pool, random.Random(seed), 1000)
     assert counts["create"] > 0 and counts["refused"] > 0
     assert pool.hits > 0 and pool.evictions > 0
+
+
+# -- preemption: recompute vs swap ------------------------------------------------------
+
+def serve(policy, requests, gpu_blocks, host_blocks, block_size):
+    gpu, host = BlockAllocator(gpu_blocks, block_size), BlockAllocator(host_blocks, block_size)
+    scheduler = Scheduler(gpu, host, policy, check=True)  # invariants after every step
+    finished = scheduler.run(requests)
+    assert finished == {r.req_id: expected_tokens(r) for r in requests}
+    assert gpu.num_free == gpu.num_blocks and host.num_free == host.num_blocks
+    return scheduler.stats
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_both_policies_finish_every_request_with_its_tokens(policy, block_size):
+    requests = preemption_workload(seed=block_size, num_requests=6)
+    stats = serve(policy, requests, 1024 // block_size, 256 // block_size, block_size)
+    assert stats.preemptions > 0
+
+
+def test_counters_match_a_hand_computed_case():
+    # bs 2, 4 GPU blocks; A and B: 2-token prompts, 3 tokens to generate. Step 0 admits
+    # both and each takes a second block; step 2 A needs a fifth block: B (last step 1)
+    # is the victim, 4 tokens in 2 blocks. A finishes; step 3 B comes back.
+    requests = [Request(0, [1, 2], 3, 0), Request(1, [3, 4], 3, 0)]
+    recompute = serve("recompute", requests, 4, 4, 2)
+    assert (recompute.preemptions, recompute.recomputed_tokens, recompute.steps) == (1, 4, 4)
+    assert recompute.swapped_out_blocks == recompute.swapped_in_blocks == 0
+    swap = serve("swap", requests, 4, 4, 2)
+    assert (swap.preemptions, swap.recomputed_tokens, swap.steps) == (1, 0, 4)
+    assert swap.swapped_out_blocks == swap.swapped_in_blocks == 2 and swap.host_fallbacks == 0
+    assert swap.recovery_seconds(2) == swap.swap_seconds(2) > 0
+    assert recompute.recovery_seconds(2) == 4 / 10_000
+
+
+def test_the_victim_is_the_least_recently_used():
+    assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=1) == 2
+    assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=0) == 1
+    assert lru_victim({0: 7, 1: 7, 2: 7}, exclude=0) == 2  # a tie: the latest arrival
+
+
+def test_the_scheduler_preempts_the_request_stepped_longest_ago():
+    gpu, host = BlockAllocator(3, 2), BlockAllocator(4, 2)
+    scheduler = Scheduler(gpu, host, "recompute")
+    prompts = {0: [0, 0], 1: [1, 1], 2: [2]}               # the pool is full; 2 has room
+    for req_id, prompt in prompts.items():
+        scheduler.running[req_id] = Sequence(req_id, gpu, prompt)
+    scheduler.last_step.update({0: 9, 1: 3, 2: 8})       # 1 is the oldest
+    scheduler._decode({r: Request(r, p, 5, 0) for r, p in prompts.items()}, step=10)
+    assert 1 in scheduler.preempted and set(scheduler.running) == {0, 2}
+
+
+def test_a_full_host_pool_falls_back_to_recompute():
+    requests = preemption_workload(seed=1, num_requests=10)
+    stats = serve("swap", requests, 2048 // 16, 2, 16)    # room for 2 host blocks only
+    assert stats.host_fallbacks > 0 and stats.recomputed_tokens > 0
+    assert stats.preemptions >= stats.host_fallbacks
+
+
+def test_a_victim_holding_a_shared_block_is_recomputed_not_swapped():
+    gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
+    scheduler = Scheduler(gpu, host, "swap")
+    parent = Sequence(0, gpu, range(6))
+    scheduler.running[1], scheduler.last_step[1] = parent.fork(1), 0
+    scheduler._preempt(1)
+    assert scheduler.stats.shared_fallbacks == 1 and host.num_used == 0
+    assert scheduler.preempted[1].host_blocks is None and parent.read() == list(range(6))
+    check_invariants(gpu, [parent])
+
+
+def test_swap_out_and_in_keep_every_block_s_contents():
+    gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
+    seq = Sequence("a", gpu, range(10))
+    contents = [gpu.read(block) for block in seq.block_table]
+    host_blocks = swap_out(seq, host)
+    assert [host.read(block) for block in host_blocks] == contents
+    tokens = list(seq.tokens)
+    seq.free()
+    Sequence("filler", gpu, range(100, 108))        # the old GPU blocks get reused
+    back = swap_in("a", tokens, host_blocks, host, gpu)
+    assert [gpu.read(block) for block in back.block_table] == contents
+    assert back.read() == list(range(10)) and host.num_used == 0
+    back.append(10)
+    assert back.read() == list(range(11))
+
+
+def test_scheduler_rejects_bad_policies_and_requests_that_never_fit():
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(BlockAllocator(4), BlockAllocator(4), "drop")
+    scheduler = Scheduler(BlockAllocator(2, 2), BlockAllocator(2, 2), "swap")
+    with pytest.raises(ValueError, match="never fit"):
+        scheduler.run([Request(0, [1, 2, 3], 5, 0)])
+
+
+def test_evict_sweep_and_its_verdict_on_a_small_run(capsys):
+    rows = evict_sweep(preemption_workload(), block_sizes=(4, 16, 64))
+    assert [row[0] for row in rows] == [4, 16, 64]
+    assert all(row[3] == pytest.approx(row[2] / 10_000) for row in rows)  # recompute: flat
+    assert rows[0][5] > rows[0][4]          # more copies per block cost more
+    compare_with_paper(rows)
+    assert "Paper (7.3)" in capsys.readouterr().out
 
 
 # -- the command line ------------------------------------------------------------------
