@@ -9,10 +9,10 @@ import random
 import pytest
 
 from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlocksError,
-                      PrefixCachingAllocator, Request, Scheduler, Sequence, check_invariants,
-                      compare_with_paper, evict_sweep, expected_tokens, fuzz,
+                      PrefixCachingAllocator, Request, Scheduler, Sequence, beam_search,
+                      check_invariants, compare_with_paper, evict_sweep, expected_tokens, fuzz,
                       hash_block_tokens, lru_victim, main, preemption_workload, share_prefix,
-                      snapshot, swap_in, swap_out)
+                      parallel_sampling, saving, snapshot, swap_in, swap_out)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -575,6 +575,42 @@ def test_evict_sweep_and_its_verdict_on_a_small_run(capsys):
     assert rows[0][5] > rows[0][4]          # more copies per block cost more
     compare_with_paper(rows)
     assert "Paper (7.3)" in capsys.readouterr().out
+
+
+# -- parallel sampling and beam search ---------------------------------------------------
+
+def test_parallel_sampling_off_a_block_boundary_copies_once_per_writer_but_the_last():
+    forked = parallel_sampling(6, 3, 4, block_size=4)     # prompt: 1 full block + 2 tokens
+    alone = parallel_sampling(6, 3, 4, share=False, block_size=4)
+    assert forked.copies == 2 and alone.copies == 0
+    assert forked.used[0] == 2 and forked.used[-1] == 1 + 3 + 3  # shared, 3 tails, 3 new
+    assert alone.used[0] == 6 and alone.used[-1] == 9
+    assert saving(forked, alone) == 1 - forked.mean / alone.mean > 0
+
+
+def test_parallel_sampling_on_a_block_boundary_copies_nothing():
+    forked = parallel_sampling(8, 3, 4, block_size=4)     # prompt: exactly 2 blocks
+    assert forked.copies == 0 and forked.used == [2, 5, 5, 5, 5] and forked.peak == 5
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("width", [1, 3, 5])
+def test_beam_search_beams_read_back_their_histories_and_the_pool_ends_whole(block_size, width):
+    # check=True compares every beam with its plain-list history and checks every
+    # invariant after every step (so pruned beams must have returned their blocks);
+    # beam_search itself checks the pool is whole after the last free.
+    run = beam_search(7, width, 40, block_size=block_size, check=True)
+    alone = beam_search(7, width, 40, share=False, block_size=block_size, check=True)
+    assert len(run.used) == len(alone.used) == 41 and alone.copies == 0
+    assert all(f <= a for f, a in zip(run.used, alone.used))
+    if width > 1:
+        assert run.mean < alone.mean
+
+
+def test_beam_search_picture_shows_shared_blocks_with_their_ref_counts():
+    picture = beam_search(10, 4, 8, block_size=4, picture_step=6).picture
+    assert len(picture) == 4
+    assert all("[  0:4]" in line for line in picture)  # the prompt's first block, 4 beams
 
 
 # -- the command line ------------------------------------------------------------------
