@@ -96,15 +96,21 @@ def _positive_int(value, name):
     return value
 
 
+def _check_token(token):
+    """Raise TypeError or ValueError unless token is a valid token id (a non-negative int)."""
+    if type(token) is not int:
+        raise TypeError(f"token ids are non-negative ints, got {token!r} ({type(token).__name__})")
+    if token < 0:
+        raise ValueError(f"token ids are non-negative ints, got {token}")
+
+
 def _token_ids(tokens):
-    """A validated list copy of tokens: token ids are non-negative ints."""
+    """A validated list copy of tokens."""
     token_ids = list(tokens)
-    for token in token_ids:
-        if type(token) is not int:
-            raise TypeError(f"token ids are non-negative ints, got {token!r} "
-                            f"({type(token).__name__})")
-        if token < 0:
-            raise ValueError(f"token ids are non-negative ints, got {token}")
+    # Checked in C first (types, then the minimum); token by token only to name the culprit.
+    if not set(map(type, token_ids)) <= {int} or min(token_ids, default=0) < 0:
+        for token in token_ids:
+            _check_token(token)
     return token_ids
 
 
@@ -149,7 +155,9 @@ class BlockAllocator:
     def allocate_many(self, n):
         """Take n free blocks, or none: the check comes before the first allocation."""
         self.ensure_free(n)
-        return [self.allocate() for _ in range(n)]
+        blocks = [self._pop_free() for _ in range(n)]
+        self.ref_cnt.update(dict.fromkeys(blocks, 1))
+        return blocks
 
     def ensure_free(self, n):
         """Raise OutOfBlocksError unless n blocks are free (the check half of check-then-act)."""
@@ -306,8 +314,20 @@ class Sequence:
         return f"Sequence({self.seq_id!r}, {len(self.tokens)} tokens, blocks {list(self.block_table)})"
 
     def append(self, token):
-        """Add one token (a decode step)."""
-        self.extend((token,))
+        """Add one token (a decode step): O(1); a new block only at a block boundary."""
+        # NOTE: the same steps as extend, unrolled for one token: a server calls this once
+        # per running sequence per step, so it is the allocator's hottest path.
+        self._check_live()
+        _check_token(token)
+        block_size = self.allocator.block_size
+        n = len(self.tokens)
+        offset = n % block_size
+        if offset == 0 or not self.allocator.writable(self.block_table[-1]):
+            self._reserve(1)
+        self.allocator.slots(self.block_table[-1])[offset] = token
+        self.tokens.append(token)
+        if offset == block_size - 1 and self.allocator.enable_caching:
+            self._block_filled(n // block_size)
 
     def extend(self, tokens):
         """Add tokens: make room first (new blocks, a private tail), then write."""
@@ -349,26 +369,28 @@ class Sequence:
         self.block_table.extend(self.allocator.allocate_many(num_new))
 
     def _write(self, token_ids):
-        """Store token_ids after the current tokens, one block at a time (room reserved)."""
-        block_size = self.allocator.block_size
-        i = 0
-        while i < len(token_ids):
-            k, offset = divmod(len(self.tokens), block_size)
-            chunk = token_ids[i:i + block_size - offset]
-            self.allocator.slots(self.block_table[k])[offset:offset + len(chunk)] = chunk
-            self.tokens.extend(chunk)
-            i += len(chunk)
-            if offset + len(chunk) == block_size:
+        """Store token_ids after the current tokens, a block at a time (room is reserved)."""
+        block_size, slots, table = self.allocator.block_size, self.allocator.slots, self.block_table
+        start, end = len(self.tokens), len(self.tokens) + len(token_ids)
+        self.tokens.extend(token_ids)
+        first, offset = divmod(start, block_size)
+        written = 0
+        for block in table[first:cdiv(end, block_size)]:
+            chunk = token_ids[written:written + block_size - offset]
+            slots(block)[offset:offset + len(chunk)] = chunk
+            written += len(chunk)
+            offset = 0
+        if self.allocator.enable_caching:
+            for k in range(start // block_size, end // block_size):
                 self._block_filled(k)
 
     def _block_filled(self, k):
         """Logical block k just became full: a prefix-caching pool (Part 6) indexes it."""
-        if self.allocator.enable_caching:
-            block_size = self.allocator.block_size
-            parent = self.block_hashes[k - 1] if k > 0 else None
-            block_tokens = self.tokens[k * block_size:(k + 1) * block_size]
-            self.block_hashes.append(
-                self.allocator.cache_full_block(self.block_table[k], parent, block_tokens))
+        block_size = self.allocator.block_size
+        parent = self.block_hashes[k - 1] if k > 0 else None
+        block_tokens = self.tokens[k * block_size:(k + 1) * block_size]
+        self.block_hashes.append(
+            self.allocator.cache_full_block(self.block_table[k], parent, block_tokens))
 
     def _attach(self, tokens, blocks, block_hashes=()):
         """Take over blocks that already hold tokens; the caller took their references."""
@@ -606,18 +628,20 @@ USER_LEN = 40       # tokens  of each request's own message
 
 
 def random_tokens(rng, n, vocab=32_000):
-    return [rng.randrange(vocab) for _ in range(n)]
+    return rng.choices(range(vocab), k=n)
 
 
-def admit_until_full(admit):
-    """Call admit(i) for i = 0, 1, ... until the pool refuses; return how many fit."""
+def admit_until_full(admit, limit=None):
+    """Call admit(i) for i = 0, 1, ... until the pool refuses (or limit calls succeeded);
+    return how many fit."""
     count = 0
-    while True:
+    while limit is None or count < limit:
         try:
             admit(count)
         except OutOfBlocksError:
-            return count
+            break
         count += 1
+    return count
 
 
 def reserve_max_len(allocator, tokens, max_len):
@@ -1368,9 +1392,9 @@ def demo_beam():
     sampled = beam_table(parallel_sampling, (2, 4, 6))
     rows = [(prompt_len, parallel_sampling(prompt_len, 4, 8)) for prompt_len in (100, 96)]
     for prompt_len, run in rows:
-        where = "mid-block" if prompt_len % BLOCK_SIZE != 0 else "on a block boundary"
-        why = (" (all writers but the last, who holds it alone)"
-               if prompt_len % BLOCK_SIZE != 0 else "")
+        mid_block = prompt_len % BLOCK_SIZE != 0
+        where = "mid-block" if mid_block else "on a block boundary"
+        why = " (every writer but the last)" if mid_block else ""
         print(f"   prompt of {prompt_len} tokens ends {where}: 4 samples make {run.copies} "
               f"copies{why}")
     print("2. beam search with pruning, width k: blocks in use (mean over the run)")
@@ -1416,6 +1440,161 @@ def print_paper_comparison(sampled, beams):
 
 
 # ---------------------------------------------------------------------------------------
+# Part 9. Extension: the block-size sweep
+# ---------------------------------------------------------------------------------------
+# Small blocks waste little at the end of each sequence but need long block tables (more
+# metadata, more indirection for the attention kernel, more and smaller copies, finer but
+# costlier sharing); large blocks are the reverse. Each measure below comes from running
+# the workload through the allocators at each size.
+
+SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TABLE_ENTRY_BYTES = 4        # bytes per block-table entry: int32, as in vLLM's block_tables
+SWEEP_SYSTEM_LEN = 1_001     # tokens of a shared system prompt: odd, so sizes > 1 split it
+MAX_FRAGMENTATION = 0.05     # the sweet spot's waste budget
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    kv_slots: int   # tokens of KV for "sequences that fit", the same at every block size
+    requests: list  # (prompt tokens, output tokens) pairs of token lists
+
+
+def lognormal_lengths(rng, median, p90, cap, n):
+    """n lengths from a lognormal with this median and 90th percentile, within 1..cap."""
+    sigma = math.log(p90 / median) / 1.2815515655  # z-score of the 90th percentile
+    return [min(cap, max(1, round(rng.lognormvariate(math.log(median), sigma))))
+            for _ in range(n)]
+
+
+def sweep_workloads(seed=8):
+    rng = random.Random(seed)
+    short = [(rng.randint(100, 300), rng.randint(20, 120)) for _ in range(120)]
+    # Azure LLM inference trace 2023, conversation service: prompt median 1,020, p90 2,735
+    # (max 14,050); output median 129, p90 424 (max 1,000). The lognormal fits the median
+    # and p90; its upper tail is heavier than the trace's (the sweep prints its lengths).
+    azure = list(zip(lognormal_lengths(rng, 1020, 2735, 14_050, 80),
+                     lognormal_lengths(rng, 129, 424, 1_000, 80)))
+    return [Workload(name, description, kv_slots,
+                     [(random_tokens(rng, p), random_tokens(rng, o)) for p, o in lengths])
+            for name, description, kv_slots, lengths in [
+                ("chat-short", "prompts uniform 100-300, outputs uniform 20-120", 16_384, short),
+                ("azure-conv", "lognormal fit to Azure's 2023 conversation trace", 65_536,
+                 azure)]]
+
+
+@dataclass
+class SweepRow:
+    block_size: int
+    fragmentation: float     # unused share of allocated slots
+    entries_per_seq: float   # block-table entries per sequence
+    table_bytes: int         # bytes of all block tables together
+    fit: int                 # sequences admitted into the workload's kv_slots
+    reuse_lost: float        # share of the system prompt block-level caching cannot reuse
+
+
+def measure_block_size(workload, block_size):
+    """Admit, generate and free the workload at block_size; measure what it cost."""
+    requests = workload.requests
+    total = sum(len(p) + len(o) for p, o in requests)
+    pool = BlockAllocator(cdiv(total, block_size) + len(requests), block_size)
+    seqs = [Sequence(i, pool, prompt) for i, (prompt, _) in enumerate(requests)]
+    for seq, (_, output) in zip(seqs, requests):
+        seq.extend(output)
+    slots = pool.num_used * block_size
+    fragmentation = (slots - sum(len(seq) for seq in seqs)) / slots
+    entries = sum(len(seq.block_table) for seq in seqs)
+    for seq in seqs:
+        seq.free()
+    _expect(pool.num_free == pool.num_blocks, "sweep: the pool is not whole after freeing")
+    budget = BlockAllocator(workload.kv_slots // block_size, block_size)
+    fit = admit_until_full(lambda i: Sequence(i, budget, requests[i][0] + requests[i][1]),
+                           limit=len(requests))
+    return SweepRow(block_size, fragmentation, entries / len(seqs),
+                    entries * TABLE_ENTRY_BYTES, fit, prefix_reuse_lost(block_size))
+
+
+def prefix_reuse_lost(block_size, seed=10):
+    """Share of a shared system prompt that a second request cannot take from the cache."""
+    rng = random.Random(seed)
+    system = random_tokens(rng, SWEEP_SYSTEM_LEN)
+    pool = PrefixCachingAllocator(2 * cdiv(SWEEP_SYSTEM_LEN + 50, block_size), block_size)
+    Sequence("first", pool, system + random_tokens(rng, 50))
+    hits = pool.hits
+    Sequence("second", pool, system + random_tokens(rng, 50))
+    return 1 - (pool.hits - hits) * block_size / SWEEP_SYSTEM_LEN
+
+
+def sweet_spot(rows, max_fragmentation=MAX_FRAGMENTATION):
+    """Tables, copies and per-block work all shrink as blocks grow, so grow them until the
+    waste bites: the last size, going up, before fragmentation reaches max_fragmentation
+    (None if the smallest already does)."""
+    best = None
+    for row in sorted(rows, key=lambda row: row.block_size):
+        if row.fragmentation >= max_fragmentation:
+            break
+        best = row.block_size
+    return best
+
+
+def demo_sweep():
+    print("== sweep: block size against fragmentation, block-table size, capacity, "
+          "prefix reuse ==")
+    print(f"   tables: {TABLE_ENTRY_BYTES}-byte entries; fit: sequences admitted into the "
+          f"workload's KV budget;")
+    print(f"   reuse lost: share of a {SWEEP_SYSTEM_LEN:,}-token shared prompt that a prefix "
+          f"cache cannot reuse")
+    spots = {}
+    for workload in sweep_workloads():
+        rows = [measure_block_size(workload, size) for size in SWEEP_SIZES]
+        print_workload_lengths(workload)
+        print_sweep_table(rows)
+        print_sweep_chart(rows)
+        spots[workload.name] = sweet_spot(rows)
+        print(f"   sweet spot: {spots[workload.name]} (grow the block until fragmentation "
+              f"would reach {MAX_FRAGMENTATION:.0%})")
+    short_ok, long_ok = spots["chat-short"] in (16, 32), spots["azure-conv"] in range(16, 129)
+    print(f"paper (7.2): 16-32 best on Alpaca (short), 16-128 on ShareGPT (longer). Ours: "
+          f"{spots['chat-short']} for chat-short")
+    print(f"   ({'inside' if short_ok else 'OUTSIDE'} 16-32), {spots['azure-conv']} for "
+          f"azure-conv ({'inside' if long_ok else 'OUTSIDE'} 16-128): longer sequences "
+          f"tolerate larger blocks.")
+    print("   The paper also weighs kernel speed, which drops at small sizes; this lab does "
+          "not model it.")
+
+
+def print_workload_lengths(workload):
+    def stats(lengths):
+        lengths = sorted(lengths)
+        return (f"mean {sum(lengths) / len(lengths):,.0f}, median "
+                f"{lengths[len(lengths) // 2]:,}, p90 {lengths[math.ceil(0.9 * len(lengths)) - 1]:,}")
+    print(f"{workload.name}: {workload.description}; {len(workload.requests)} requests, "
+          f"budget {workload.kv_slots:,} tokens")
+    print(f"   prompts {stats(len(p) for p, _ in workload.requests)}; "
+          f"outputs {stats(len(o) for _, o in workload.requests)}")
+
+
+def print_sweep_table(rows):
+    print("   block  fragmentation  entries/seq  tables KiB    fit  reuse lost")
+    for row in rows:
+        print(f"   {row.block_size:>5}  {row.fragmentation:>13.1%}  {row.entries_per_seq:>11.1f}"
+              f"  {row.table_bytes / 1024:>10.1f}  {row.fit:>5}  {row.reuse_lost:>10.1%}")
+
+
+def print_sweep_chart(rows):
+    """Two aligned bar charts: fragmentation (linear) and table bytes (log scale)."""
+    worst = max(row.fragmentation for row in rows)
+    low, high = (math.log2(f(row.table_bytes for row in rows)) for f in (min, max))
+    print(f"   block  fragmentation, 0 to {worst:.0%}{' ' * 17}block tables, log scale")
+    for row in rows:
+        frag_bar = "#" * round(30 * row.fragmentation / worst)
+        table_bar = "#" * round(1 + 29 * (math.log2(row.table_bytes) - low) / (high - low))
+        print(f"   {row.block_size:>5}  |{frag_bar:<30} {row.fragmentation:>5.1%}  "
+              f"|{table_bar:<30} {row.table_bytes / 1024:>6.1f} KiB")
+
+
+# ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
 
@@ -1426,6 +1605,7 @@ SECTIONS = {
     "cache": demo_cache,
     "evict": demo_evict,
     "beam": demo_beam,
+    "sweep": demo_sweep,
 }
 
 

@@ -12,7 +12,9 @@ from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlock
                       PrefixCachingAllocator, Request, Scheduler, Sequence, beam_search,
                       check_invariants, compare_with_paper, evict_sweep, expected_tokens, fuzz,
                       hash_block_tokens, lru_victim, main, preemption_workload, share_prefix,
-                      parallel_sampling, saving, snapshot, swap_in, swap_out)
+                      parallel_sampling, saving, snapshot, swap_in, swap_out, SweepRow,
+                      Workload, measure_block_size, prefix_reuse_lost, sweep_workloads,
+                      sweet_spot)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -611,6 +613,57 @@ def test_beam_search_picture_shows_shared_blocks_with_their_ref_counts():
     picture = beam_search(10, 4, 8, block_size=4, picture_step=6).picture
     assert len(picture) == 4
     assert all("[  0:4]" in line for line in picture)  # the prompt's first block, 4 beams
+
+
+# -- the block-size sweep ----------------------------------------------------------------
+
+def workload(lengths, kv_slots):
+    return Workload("test", "crafted", kv_slots,
+                    [(list(range(p)), list(range(o))) for p, o in lengths])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8])
+def test_fragmentation_is_zero_when_every_length_is_a_multiple_of_the_block_size(block_size):
+    row = measure_block_size(workload([(8, 8), (16, 0), (3, 5), (24, 16)], 64), block_size)
+    assert row.fragmentation == 0
+
+
+def test_fragmentation_block_tables_and_fit_on_a_hand_computed_case():
+    # block size 4: 5 tokens -> 2 blocks (3 slots unused), 4 tokens -> 1 block,
+    # 9 tokens -> 3 blocks (3 unused): 6 blocks, 24 slots, 18 tokens.
+    row = measure_block_size(workload([(3, 2), (4, 0), (7, 2)], 12), 4)
+    assert row.fragmentation == 6 / 24
+    assert row.entries_per_seq == (2 + 1 + 3) / 3 and row.table_bytes == 6 * 4
+    assert row.fit == 2                       # 12 slots = 3 blocks: the first two requests
+    assert row.block_size == 4
+
+
+def test_block_table_entries_are_the_ceiling_of_length_over_size():
+    for block_size in (1, 3, 16, 256):
+        row = measure_block_size(workload([(100, 0), (17, 0), (1, 0)], 256), block_size)
+        expected = sum(-(-n // block_size) for n in (100, 17, 1))
+        assert row.entries_per_seq * 3 == expected and row.table_bytes == 4 * expected
+
+
+def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt():
+    assert prefix_reuse_lost(1) == 0
+    assert prefix_reuse_lost(16) == pytest.approx((1001 % 16) / 1001)
+    assert prefix_reuse_lost(256) == pytest.approx((1001 - 768) / 1001)
+
+
+def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget():
+    rows = [SweepRow(size, frag, 0, 0, 0, 0) for size, frag in
+            [(1, 0.0), (8, 0.01), (16, 0.04), (32, 0.06), (64, 0.03), (128, 0.2)]]
+    assert sweet_spot(rows) == 16             # stops at 32, though 64 dips under again
+    assert sweet_spot(rows, max_fragmentation=0.035) == 8
+    assert sweet_spot(rows, max_fragmentation=0.0) is None
+
+
+def test_sweep_workloads_are_seeded_and_fill_less_than_their_budget():
+    first, again = sweep_workloads(), sweep_workloads()
+    assert [w.requests for w in first] == [w.requests for w in again]
+    for w in first:
+        assert sum(len(p) + len(o) for p, o in w.requests) > w.kv_slots
 
 
 # -- the command line ------------------------------------------------------------------
