@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from solution import (BLOCK_SIZE, CHECKS, BlockAllocator, BlockTable, OutOfBlocksError,
+from solution import (BLOCK_SIZE, CHECKS, ScanningAllocator, demo_bench, BlockAllocator, BlockTable, OutOfBlocksError,
                       PrefixCachingAllocator, Request, Scheduler, Sequence, beam_search,
                       check_invariants, compare_with_paper, evict_sweep, expected_tokens, fuzz,
                       hash_block_tokens, lru_victim, main, preemption_workload, share_prefix,
@@ -666,6 +666,26 @@ def test_sweep_workloads_are_seeded_and_fill_less_than_their_budget():
         assert sum(len(p) + len(o) for p, o in w.requests) > w.kv_slots
 
 
+# -- the benchmark section ----------------------------------------------------------------
+
+def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(capsys):
+    demo_bench(pools=(100, 200), repeats=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("== bench") and len(lines) == 13 + 2  # a row per pool in 3.
+    for label in ("append, per token", "allocate + free", "fork + free", "cache admission, hit",
+                  "cache admission, miss", "Sequence.append", "scan / free list", "idle pool"):
+        assert any(label in line for line in lines), label
+    assert sum(line.endswith("x") for line in lines) == 5 + 2  # the ratios of 1. and 3.
+    assert any(line.endswith("x (target <= 3x)") for line in lines)
+
+
+def test_the_scanning_allocator_finds_the_first_free_block():
+    pool = ScanningAllocator(5, num_used=3)
+    assert pool.allocate() == 3 and pool.allocate() == 4
+    pool.free(3)
+    assert pool.allocate() == 3
+
+
 # -- the command line ------------------------------------------------------------------
 
 def test_default_run_prints_the_core_results(capsys):
@@ -691,3 +711,11 @@ def test_sections_run_alone_and_unknown_ones_are_refused(capsys):
     assert out.count(" ok\n") == len(CHECKS)
     with pytest.raises(SystemExit):
         main(["nonsense"])
+
+
+def test_help_lists_every_section(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("checks", "memory", "sharing", "cache", "evict", "beam", "sweep", "bench"):
+        assert name in out
