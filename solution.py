@@ -302,7 +302,7 @@ class Sequence:
         self.block_table = BlockTable(allocator.block_size)
         self.block_hashes = []  # key of each full block; kept only on a prefix-caching pool
         self.is_freed = False
-        self._tail_slots = None  # the last block's slots, while only this sequence writes it
+        self._tail_slots = None  # the last block's slots while only this sequence writes them
         blocks, keys = allocator.allocate_prompt(token_ids)  # all blocks, or an exception
         self.block_table.extend(blocks)
         self.block_hashes.extend(keys)
@@ -318,31 +318,35 @@ class Sequence:
 
     def append(self, token):
         """Add one token (a decode step): O(1); a new block only at a block boundary."""
-        # NOTE: a server calls this once per running sequence per step: the allocator's
-        # hottest path. So the last block's slots are kept at hand (_tail_slots) once this
-        # sequence is known to be their only writer, and the common case is one store;
-        # everything else (a boundary, a shared tail, a bad token, a freed sequence) takes
-        # the slow path, which checks first and then acts, as extend does.
-        tokens, block_size = self.tokens, self.block_size
-        offset = len(tokens) % block_size
+        # NOTE: a server calls this once per running sequence per step, the allocator's
+        # hottest path. So the last block's slots are kept at hand (_tail_slots) while this
+        # sequence is known to be their only writer, and the common case is one store.
+        # Everything else (a boundary, a shared tail, a bad token, a freed sequence, a
+        # prefix cache to tell about a full block) takes the slow path.
+        tokens = self.tokens
+        offset = len(tokens) % self.block_size
         slots = self._tail_slots
-        if offset == 0 or slots is None or type(token) is not int or token < 0:
-            slots = self._writable_tail(token, offset)
-        slots[offset] = token
-        tokens.append(token)
-        if offset == block_size - 1 and self.allocator.enable_caching:
-            self._block_filled(len(tokens) // block_size - 1)
+        if offset > 0 and slots is not None and type(token) is int and token >= 0:
+            slots[offset] = token  # room in a last block that is ours alone
+            tokens.append(token)
+        else:
+            self._append_slow(token, offset)
 
-    def _writable_tail(self, token, offset):
-        """append's slow path: check, then give the last block room for token, ours alone."""
+    def _append_slow(self, token, offset):
+        """append when the common case does not hold: check, then act, as extend does."""
         self._check_live()
         _check_token(token)
         if offset == 0:
             self.block_table.append(self.allocator.allocate())  # exactly at the boundary
         else:
             self._reserve(1)  # copy-on-write, if the tail is shared
-        self._tail_slots = self.allocator.slots(self.block_table[-1])
-        return self._tail_slots
+        slots = self.allocator.slots(self.block_table[-1])
+        slots[offset] = token
+        self.tokens.append(token)
+        if not self.allocator.enable_caching:
+            self._tail_slots = slots  # ours alone until _reserve, _share or free says otherwise
+        elif offset == self.block_size - 1:
+            self._block_filled(len(self.tokens) // self.block_size - 1)
 
     def extend(self, tokens):
         """Add tokens: make room first (new blocks, a private tail), then write."""
