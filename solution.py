@@ -63,7 +63,7 @@ import pickle
 import random
 import time
 import tracemalloc
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # tokens per block; vLLM's default on GPUs
@@ -299,14 +299,14 @@ class Sequence:
         self.allocator = allocator
         self.block_size = allocator.block_size                # tokens per block
         self.tokens = []                                    # logical tokens, in order
-        self.block_table = BlockTable(allocator.block_size)
+        self.block_table = BlockTable(self.block_size)
         self.block_hashes = []  # key of each full block; kept only on a prefix-caching pool
         self.is_freed = False
         self._tail_slots = None  # the last block's slots while only this sequence writes them
         blocks, keys = allocator.allocate_prompt(token_ids)  # all blocks, or an exception
         self.block_table.extend(blocks)
         self.block_hashes.extend(keys)
-        num_cached = len(keys) * allocator.block_size       # tokens already in those blocks
+        num_cached = len(keys) * self.block_size            # tokens already in those blocks
         self.tokens.extend(token_ids[:num_cached])
         self._write(token_ids[num_cached:])
 
@@ -314,7 +314,8 @@ class Sequence:
         return len(self.tokens)
 
     def __repr__(self):
-        return f"Sequence({self.seq_id!r}, {len(self.tokens)} tokens, blocks {list(self.block_table)})"
+        return (f"Sequence({self.seq_id!r}, {len(self.tokens)} tokens, "
+                f"blocks {list(self.block_table)})")
 
     def append(self, token):
         """Add one token (a decode step): O(1); a new block only at a block boundary."""
@@ -378,7 +379,7 @@ class Sequence:
 
     def _reserve(self, num_tokens):
         """Make room for num_tokens more tokens, all or nothing: check, then mutate."""
-        block_size = self.allocator.block_size
+        block_size = self.block_size
         n = len(self.tokens)
         writes_tail = num_tokens > 0 and n % block_size != 0
         cow = writes_tail and not self.allocator.writable(self.block_table[-1])
@@ -391,7 +392,7 @@ class Sequence:
 
     def _write(self, token_ids):
         """Store token_ids after the current tokens, a block at a time (room is reserved)."""
-        block_size, slots, table = self.allocator.block_size, self.allocator.slots, self.block_table
+        block_size, slots, table = self.block_size, self.allocator.slots, self.block_table
         start, end = len(self.tokens), len(self.tokens) + len(token_ids)
         self.tokens.extend(token_ids)
         first, offset = divmod(start, block_size)
@@ -407,7 +408,7 @@ class Sequence:
 
     def _block_filled(self, k):
         """Logical block k just became full: a prefix-caching pool (Part 6) indexes it."""
-        block_size = self.allocator.block_size
+        block_size = self.block_size
         parent = self.block_hashes[k - 1] if k > 0 else None
         block_tokens = self.tokens[k * block_size:(k + 1) * block_size]
         self.block_hashes.append(
@@ -438,7 +439,7 @@ class Sequence:
     def _share(self, seq_id, num_tokens):
         """A new sequence whose first num_tokens tokens use this one's blocks."""
         self._check_live()
-        block_size = self.allocator.block_size
+        block_size = self.block_size
         blocks = [self.allocator.share(b) for b in self.block_table[:cdiv(num_tokens, block_size)]]
         self._tail_slots = None  # our tail may be shared now: the next append checks
         return Sequence(seq_id, self.allocator)._attach(
@@ -516,13 +517,18 @@ def snapshot(allocator, sequences):
         for seq in sequences])
 
 
+def random_tokens(rng, n, vocab=32_000):
+    """n token ids drawn from rng: every workload in this file is seeded."""
+    return rng.choices(range(vocab), k=n)
+
+
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """Run num_ops random operations against a plain-list model, checking every invariant
     after every step, then free everything and check the pool is whole.
 
     The model is a dict seq_id -> list of tokens. A refused operation (OutOfBlocksError)
     must leave a snapshot of the pool and every sequence unchanged. A small vocabulary and
-    prompts cut from earlier sequences make shared and cached prefixes common. Returns a
+    prompts cut from other sequences, live or freed, make shared and cached prefixes common. Returns a
     Counter of what happened, so a test can tell the run exercised every operation.
     """
     live, model, seen, counts = {}, {}, [[]], Counter()
@@ -537,11 +543,13 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
         before = snapshot(allocator, live.values())
         try:
             if op == "create":
-                past = rng.choice(seen)
-                tokens = past[:rng.randint(0, len(past))] + _random_tokens(rng, vocab, 0, longest)
+                past = rng.choice(seen + list(model.values()))  # freed or live sequences
+                tokens = past[:rng.randint(0, len(past))] + random_tokens(
+                    rng, rng.randint(0, longest), vocab)
                 live[step], model[step] = Sequence(step, allocator, tokens), tokens
             elif op in ("append", "extend"):
-                tokens = _random_tokens(rng, vocab, 1, 1 if op == "append" else longest)
+                n = 1 if op == "append" else rng.randint(1, longest)
+                tokens = random_tokens(rng, n, vocab)
                 if op == "append":
                     target.append(tokens[0])
                 else:
@@ -561,16 +569,12 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
                     f"atomicity: a refused {op} changed the pool or a sequence")
         check_invariants(allocator, live.values())
         for seq_id, seq in live.items():
-            _expect(seq.tokens == model[seq_id], f"model: sequence {seq_id} disagrees with the model")
+            _expect(seq.tokens == model[seq_id], f"model: sequence {seq_id} disagrees with it")
     for seq in live.values():
         seq.free()
     _expect(allocator.num_free == allocator.num_blocks, "freeing everything left blocks in use")
     allocator.audit()
     return counts
-
-
-def _random_tokens(rng, vocab, low, high):
-    return [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
 
 
 def check_block_boundary():
@@ -649,10 +653,6 @@ SYSTEM_LEN = 1024   # tokens  of system prompt
 USER_LEN = 40       # tokens  of each request's own message
 
 
-def random_tokens(rng, n, vocab=32_000):
-    return rng.choices(range(vocab), k=n)
-
-
 def admit_until_full(admit, limit=None):
     """Call admit(i) for i = 0, 1, ... until the pool refuses (or limit calls succeeded);
     return how many fit."""
@@ -707,15 +707,13 @@ def block_map(allocator, sequences):
         for seq in sequences]
 
 
-def system_prompt_workload():
-    """NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN tokens each."""
+def admit_system_prompt_requests(pool, share):
+    """Admit NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN
+    tokens of their own; with share, through share_prefix of one system sequence.
+    Returns the pool."""
     rng = random.Random(1)
     system = random_tokens(rng, SYSTEM_LEN)
-    return system, [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
-
-
-def admit_requests(pool, system, users, share):
-    """Admit every request; with share, through share_prefix of one system sequence."""
+    users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
     if share:
         root = Sequence("system", pool, system)
         requests = [root] + [share_prefix(root, i) for i in range(len(users))]
@@ -724,14 +722,12 @@ def admit_requests(pool, system, users, share):
     else:
         requests = [Sequence(i, pool, system + user) for i, user in enumerate(users)]
     check_invariants(pool, requests)
-    return requests
+    return pool
 
 
 def demo_sharing():
-    system, users = system_prompt_workload()
-    alone, shared = BlockAllocator(POOL_BLOCKS), BlockAllocator(POOL_BLOCKS)
-    admit_requests(alone, system, users, share=False)
-    admit_requests(shared, system, users, share=True)
+    alone = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=False)
+    shared = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=True)
     print(f"== prefix sharing: {NUM_REQUESTS} requests, shared {SYSTEM_LEN}-token system prompt ==")
     print(f"without sharing : {alone.num_used:>5} blocks used")
     print(f"with sharing    : {shared.num_used:>5} blocks used   "
@@ -747,13 +743,13 @@ def demo_cow():
     b.append(99)
     forked = b.block_table[-1] != a.block_table[-1] and pool.num_copies == 1
     reads_ok = a.read() == list(range(20)) and b.read() == list(range(20)) + [99]
-    refs = [pool.refcount(block) for block in (a.block_table[0], a.block_table[1], b.block_table[1])]
+    refs = [pool.refcount(x) for x in (a.block_table[0], a.block_table[1], b.block_table[1])]
     refs_ok = refs == [2, 1, 1]
-    check_invariants(pool, [a, b])
     print(f"copy-on-write   : divergence {'forked block' if forked else 'WROTE IN PLACE'}; "
           f"refcounts {'correct' if refs_ok else f'WRONG {refs}'}"
           f"{'' if reads_ok else '; READS WRONG'}")
     _expect(forked and refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
+    check_invariants(pool, [a, b])
     print("  a holds 20 tokens; b = a.fork('b'): both tables point at the same blocks "
           "[block:ref-count]")
     print("\n".join(before))
@@ -905,10 +901,8 @@ def demo_cache():
 
 
 def cache_same_blocks_as_sharing():
-    system, users = system_prompt_workload()
-    explicit, cached = BlockAllocator(POOL_BLOCKS), PrefixCachingAllocator(POOL_BLOCKS)
-    admit_requests(explicit, system, users, share=True)
-    admit_requests(cached, system, users, share=False)
+    explicit = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=True)
+    cached = admit_system_prompt_requests(PrefixCachingAllocator(POOL_BLOCKS), share=False)
     print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
     print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
     print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
@@ -1122,14 +1116,15 @@ class Scheduler:
 
     def run(self, requests):
         for request in requests:
-            if cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size) > self.gpu.num_blocks:
+            need = cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size)
+            if need > self.gpu.num_blocks:
                 raise ValueError(f"request {request.req_id} can never fit in the GPU pool")
-        pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+        pending = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))
         by_id = {request.req_id: request for request in requests}
-        waiting, step = [], 0
+        waiting, step = deque(), 0  # arrived, not yet admitted: first come, first served
         while len(pending) + len(waiting) + len(self.running) + len(self.preempted) > 0:
             while len(pending) > 0 and pending[0].arrival <= step:
-                waiting.append(pending.pop(0))
+                waiting.append(pending.popleft())
             self._resume(step)
             self._admit(waiting, step)
             self._decode(by_id, step)
@@ -1160,7 +1155,7 @@ class Scheduler:
     def _admit(self, waiting, step):
         while len(self.preempted) == 0 and len(waiting) > 0 and self._fits(
                 cdiv(len(waiting[0].prompt), self.gpu.block_size)):
-            request = waiting.pop(0)
+            request = waiting.popleft()
             self.running[request.req_id] = Sequence(request.req_id, self.gpu, request.prompt)
             self.last_step[request.req_id] = step
 
@@ -1170,6 +1165,7 @@ class Scheduler:
             if seq is None:
                 continue  # preempted earlier in this step
             while not self._append(seq, next_token(req_id, len(seq))):
+                # There is always a victim: a request running alone fits (run checked it).
                 self._preempt(lru_victim(self.last_step, exclude=req_id))
             self.last_step[req_id] = step
             if len(seq) == len(by_id[req_id].prompt) + by_id[req_id].max_tokens:
@@ -1595,8 +1591,9 @@ def demo_sweep():
 def print_workload_lengths(workload):
     def stats(lengths):
         lengths = sorted(lengths)
+        p90 = lengths[math.ceil(0.9 * len(lengths)) - 1]  # nearest rank
         return (f"mean {sum(lengths) / len(lengths):,.0f}, median "
-                f"{lengths[len(lengths) // 2]:,}, p90 {lengths[math.ceil(0.9 * len(lengths)) - 1]:,}")
+                f"{lengths[len(lengths) // 2]:,}, p90 {p90:,}")
     print(f"{workload.name}: {workload.description}; {len(workload.requests)} requests, "
           f"budget {workload.kv_slots:,} tokens")
     print(f"   prompts {stats(len(p) for p, _ in workload.requests)}; "

@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from solution import (BLOCK_SIZE, CHECKS, ScanningAllocator, demo_bench, BlockAllocator, BlockTable, OutOfBlocksError,
-                      PrefixCachingAllocator, Request, Scheduler, Sequence, beam_search,
-                      check_invariants, compare_with_paper, evict_sweep, expected_tokens, fuzz,
-                      hash_block_tokens, lru_victim, main, preemption_workload, share_prefix,
-                      parallel_sampling, saving, snapshot, swap_in, swap_out, SweepRow,
-                      Workload, measure_block_size, prefix_reuse_lost, sweep_workloads,
-                      sweet_spot)
+from solution import (BLOCK_SIZE, CHECKS, beam_search, BlockAllocator, BlockTable,
+                      check_invariants, compare_with_paper, demo_bench, evict_sweep,
+                      expected_tokens, fuzz, hash_block_tokens, lru_victim, main,
+                      measure_block_size, OutOfBlocksError, parallel_sampling,
+                      preemption_workload, prefix_reuse_lost, PrefixCachingAllocator, Request,
+                      saving, ScanningAllocator, Scheduler, Sequence, share_prefix, snapshot,
+                      swap_in, swap_out, sweep_workloads, SweepRow, sweet_spot, Workload)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -223,7 +223,8 @@ def test_cow_on_divergence(block_size):
     assert b.block_table[0] == a.block_table[0]            # the full block stays shared
     assert pool.read(shared_tail)[len(prompt) % block_size] is None  # a's memory untouched
     assert a.read() == prompt and b.read() == prompt + [1000]
-    assert [pool.refcount(x) for x in (a.block_table[0], shared_tail, b.block_table[-1])] == [2, 1, 1]
+    refs = [pool.refcount(x) for x in (a.block_table[0], shared_tail, b.block_table[-1])]
+    assert refs == [2, 1, 1]
     assert pool.num_copies == 1
     a.append(2000)  # a is now the tail's only holder: writes in place, no copy
     assert a.block_table[-1] == shared_tail and pool.num_copies == 1
