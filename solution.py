@@ -335,8 +335,10 @@ class Sequence:
 
     def _append_slow(self, token, offset):
         """append when the common case does not hold: check, then act, as extend does."""
-        self._check_live()
-        _check_token(token)
+        if self.is_freed:
+            self._check_live()  # raises
+        if type(token) is not int or token < 0:
+            _check_token(token)  # raises, naming the problem
         if offset == 0:
             self.block_table.append(self.allocator.allocate())  # exactly at the boundary
         else:
