@@ -28,7 +28,7 @@ ones above it and ends with a demo that prints what it measured.
     Part 10 benchmark ................ O(1) per operation, measured
 
 Run it:
-    python solution.py                  # every section, in reading order (about a second)
+    python solution.py                  # every section, in reading order (~2 seconds)
     python solution.py cache beam       # only these sections; --help lists them
     python solution.py bench            # timings (not part of the default run)
     python -m pytest test_solution.py   # the tests
@@ -1424,7 +1424,7 @@ def demo_beam():
         print(f"   prompt of {prompt_len} tokens ends {where}: 4 samples make {run.copies} "
               f"copies{why}")
     print("2. beam search with pruning, width k: blocks in use (mean over the run)")
-    print("   workload        prompt  output   k  forked  copies  independent  saved  peak")
+    print("   workload        prompt  output   k  forked  copies  independent  saved  at peak")
     beams = beam_table(beam_search, (2, 4, 6))
     print("3. the beams after step 6 (prompt 10, width 4, block size 4), one row per beam id, "
           "[block:ref-count]")
@@ -1440,7 +1440,7 @@ def beam_table(run, widths):
             forked = run(prompt_len, width, output_len)
             alone = run(prompt_len, width, output_len, share=False)
             savings.setdefault(name, []).append(saving(forked, alone))
-            peak = f"  {1 - forked.peak / alone.peak:>4.0%}" if run is beam_search else ""
+            peak = f"  {1 - forked.peak / alone.peak:>7.0%}" if run is beam_search else ""
             print(f"   {name:<14}  {prompt_len:>6}  {output_len:>6}  {width:>2}  "
                   f"{forked.mean:>6.1f}  {forked.copies:>6}  {alone.mean:>11.1f}  "
                   f"{savings[name][-1]:>5.1%}{peak}")
