@@ -1412,10 +1412,9 @@ def beam_search(prompt_len, width, output_len, share=True, block_size=BLOCK_SIZE
 
 def demo_beam():
     print("== beam: parallel sampling and beam search on forked sequences ==")
-    print(f"1. parallel sampling, block size {BLOCK_SIZE}: blocks in use (mean over the run) "
-          f"forking vs independent copies")
-    print("   workload        prompt  output   n  forked  copies  independent  saved")
-    sampled = beam_table(parallel_sampling, (2, 4, 6))
+    print(f"1. parallel sampling, block size {BLOCK_SIZE}: blocks in use, forked vs independent "
+          f"(saved: of the mean)")
+    sampled = beam_table(parallel_sampling, "n", (2, 4, 6))
     rows = [(prompt_len, parallel_sampling(prompt_len, 4, 8)) for prompt_len in (100, 96)]
     for prompt_len, run in rows:
         mid_block = prompt_len % BLOCK_SIZE != 0
@@ -1423,27 +1422,27 @@ def demo_beam():
         why = " (every writer but the last)" if mid_block else ""
         print(f"   prompt of {prompt_len} tokens ends {where}: 4 samples make {run.copies} "
               f"copies{why}")
-    print("2. beam search with pruning, width k: blocks in use (mean over the run)")
-    print("   workload        prompt  output   k  forked  copies  independent  saved  at peak")
-    beams = beam_table(beam_search, (2, 4, 6))
+    print("2. beam search with pruning, width k: blocks in use over the run")
+    beams = beam_table(beam_search, "k", (2, 4, 6))
     print("3. the beams after step 6 (prompt 10, width 4, block size 4), one row per beam id, "
           "[block:ref-count]")
     print("\n".join(beam_search(10, 4, 8, block_size=4, picture_step=6).picture))
     print_paper_comparison(sampled, beams)
 
 
-def beam_table(run, widths):
+def beam_table(run, width_name, widths):
     """Run each workload at each width, forked and independent; print rows, return savings."""
+    print(f"   workload        prompt  output  {width_name:>2}  copies   forked mean/peak  "
+          f"independent mean/peak  saved")
     savings = {}
     for name, prompt_len, output_len in (ALPACA, SHAREGPT):
         for width in widths:
             forked = run(prompt_len, width, output_len)
             alone = run(prompt_len, width, output_len, share=False)
             savings.setdefault(name, []).append(saving(forked, alone))
-            peak = f"  {1 - forked.peak / alone.peak:>7.0%}" if run is beam_search else ""
             print(f"   {name:<14}  {prompt_len:>6}  {output_len:>6}  {width:>2}  "
-                  f"{forked.mean:>6.1f}  {forked.copies:>6}  {alone.mean:>11.1f}  "
-                  f"{savings[name][-1]:>5.1%}{peak}")
+                  f"{forked.copies:>6}  {forked.mean:>11.1f}/{forked.peak:<4}  "
+                  f"{alone.mean:>16.1f}/{alone.peak:<4}  {savings[name][-1]:>5.1%}")
     return savings
 
 
