@@ -1109,6 +1109,11 @@ class Scheduler:
     def __init__(self, gpu, host, policy, check=False):
         if policy not in ("recompute", "swap"):
             raise ValueError(f"policy must be 'recompute' or 'swap', got {policy!r}")
+        if gpu.enable_caching:
+            # NOTE: with a prefix cache, a recomputed victim would find some of its blocks
+            # cached (less to recompute) and a swapped-in one would need its keys rebuilt;
+            # both are real, and both would blur what this part measures.
+            raise ValueError("the scheduler runs on a plain BlockAllocator, not a prefix cache")
         self.gpu, self.host, self.policy, self.check = gpu, host, policy, check
         self.running = {}     # req_id -> Sequence
         self.last_step = {}   # req_id -> step it last got a token (the LRU clock)

@@ -566,6 +566,8 @@ def test_swap_out_and_in_keep_every_block_s_contents():
 def test_scheduler_rejects_bad_policies_and_requests_that_never_fit():
     with pytest.raises(ValueError, match="policy"):
         Scheduler(BlockAllocator(4), BlockAllocator(4), "drop")
+    with pytest.raises(ValueError, match="plain BlockAllocator"):
+        Scheduler(PrefixCachingAllocator(4), BlockAllocator(4), "swap")
     scheduler = Scheduler(BlockAllocator(2, 2), BlockAllocator(2, 2), "swap")
     with pytest.raises(ValueError, match="never fit"):
         scheduler.run([Request(0, [1, 2, 3], 5, 0)])
