@@ -780,9 +780,10 @@ def hash_block_tokens(parent_hash, token_ids):
     NOTE: chaining makes the key cover tokens 0..end of this block, so equal tokens after a
     different history never match (their KV differs: attention saw other tokens). SHA-256
     rather than Python's hash(): a collision would hand one prompt another prompt's KV, and
-    a 64-bit hash can be collided on purpose; vLLM switched to SHA-256 for that reason. We
-    trust the hash and do not compare tokens on a hit, as vLLM does. The parent key has a
-    fixed length (32 bytes), so parent + tokens cannot be read two ways.
+    a 64-bit hash can be collided on purpose (vLLM added SHA-256 keys after a 2025 security
+    advisory showed exactly that). With SHA-256 we trust the key and, like vLLM, do not
+    compare tokens on a hit. The parent key always has 32 bytes, so parent + tokens cannot
+    be read two ways.
     """
     parent = NONE_HASH if parent_hash is None else parent_hash
     return hashlib.sha256(parent + str(list(token_ids)).encode()).digest()
