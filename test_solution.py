@@ -662,7 +662,7 @@ def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget():
     assert sweet_spot(rows, max_fragmentation=0.0) is None
 
 
-def test_sweep_workloads_are_seeded_and_fill_less_than_their_budget():
+def test_sweep_workloads_are_seeded_and_overflow_their_budget():
     first, again = sweep_workloads(), sweep_workloads()
     assert [w.requests for w in first] == [w.requests for w in again]
     for w in first:
