@@ -297,7 +297,7 @@ class Sequence:
         token_ids = _token_ids(tokens)
         self.seq_id = seq_id
         self.allocator = allocator
-        self.block_size = allocator.block_size                # tokens per block
+        self.block_size = allocator.block_size  # tokens per block (a copy for append's sake)
         self.tokens = []                                    # logical tokens, in order
         self.block_table = BlockTable(self.block_size)
         self.block_hashes = []  # key of each full block; kept only on a prefix-caching pool
@@ -530,8 +530,9 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
 
     The model is a dict seq_id -> list of tokens. A refused operation (OutOfBlocksError)
     must leave a snapshot of the pool and every sequence unchanged. A small vocabulary and
-    prompts cut from other sequences, live or freed, make shared and cached prefixes common. Returns a
-    Counter of what happened, so a test can tell the run exercised every operation.
+    prompts cut from other sequences, live or freed, make shared and cached prefixes
+    common. Returns a Counter of what happened, so a test can tell the run exercised every
+    operation.
     """
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
@@ -916,32 +917,38 @@ def cache_same_blocks_as_sharing():
 def cache_multi_turn():
     rng = random.Random(3)
     pool = PrefixCachingAllocator(64)
-    turn1 = Sequence("turn 1", pool, random_tokens(rng, 200))  # system prompt + question
-    for token in random_tokens(rng, 100):                       # the answer, decoded
+    prompt, answer = random_tokens(rng, 200), random_tokens(rng, 100)
+    turn1 = Sequence("turn 1", pool, prompt)  # system prompt + question
+    for token in answer:                      # the answer, decoded
         turn1.append(token)
     history, blocks1 = turn1.tokens[:], list(turn1.block_table)
     turn1.free()
-    print(f"2. multi-turn chat: turn 1 = 200-token prompt + 100-token answer in "
-          f"{len(blocks1)} blocks, then freed")
+    print(f"2. multi-turn chat: turn 1 = {len(prompt)}-token prompt + {len(answer)}-token "
+          f"answer in {len(blocks1)} blocks, then freed")
     partial = "not cached" if blocks1[-1] not in pool.block_hash else "CACHED"
     print(f"   live sequences: 0; cached, evictable blocks: {pool.num_cached}; "
           f"the partial last block: {partial}")
     hits_before = pool.hits
-    turn2 = Sequence("turn 2", pool, history + random_tokens(rng, 30))
+    question = random_tokens(rng, 30)
+    turn2 = Sequence("turn 2", pool, history + question)
     reused = turn2.block_table[:pool.hits - hits_before]
     same = "the same physical blocks" if reused == blocks1[:len(reused)] else "OTHER BLOCKS"
-    print(f"   turn 2 = turn 1 + answer + 30 new tokens = {len(turn2)} tokens: "
+    print(f"   turn 2 = turn 1 + answer + {len(question)} new tokens = {len(turn2)} tokens: "
           f"{len(reused)} of its {len(turn2) // pool.block_size} full blocks from the cache")
     print(f"   ({same} as turn 1: {len(reused) * pool.block_size} tokens not prefilled "
           f"again)")
     check_invariants(pool, [turn2])
 
 
+CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with
+
+
 def chat_stream(num_conversations=12, num_turns=4, seed=4):
     """Chat requests, round robin over conversations: (prompt, answer) pairs where each
-    prompt = a shared 200-token system prompt + the conversation so far + 40 new tokens."""
+    prompt = a shared CHAT_SYSTEM_LEN-token system prompt + the conversation so far + 40
+    new tokens."""
     rng = random.Random(seed)
-    system = random_tokens(rng, 200)
+    system = random_tokens(rng, CHAT_SYSTEM_LEN)
     histories = [list(system) for _ in range(num_conversations)]
     stream = []
     for _ in range(num_turns):
@@ -974,7 +981,7 @@ def cache_under_pressure():
         print(f"   {num_blocks:>11}   {pool.hit_rate:>8.1%}   {pool.hits:>5}   "
               f"{pool.evictions:>9}   {pool.num_cached:>13}")
     roomy, tight = rows[0], rows[-1]
-    system_hits = (len(stream) - 1) * (200 // BLOCK_SIZE)  # every later request, 12 blocks
+    system_hits = (len(stream) - 1) * (CHAT_SYSTEM_LEN // BLOCK_SIZE)  # every later request
     floor = ("only the system prompt still hits"
              if tight[2] == system_hits else f"{tight[2]} blocks still hit")
     print(f"   conclusion: room for the working set ({roomy[3]} blocks) reuses {roomy[1]:.0%} "

@@ -579,7 +579,9 @@ def test_evict_sweep_and_its_verdict_on_a_small_run(capsys):
     assert all(row[3] == pytest.approx(row[2] / 10_000) for row in rows)  # recompute: flat
     assert rows[0][5] > rows[0][4]          # more copies per block cost more
     compare_with_paper(rows)
-    assert "Paper (7.3)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Paper (7.3)" in out and "agrees on that shape" in out  # swap at 4 costs more
+    assert rows[0][5] > rows[0][3]          # ...because per-layer swap loses at 4 tokens/block
 
 
 # -- parallel sampling and beam search ---------------------------------------------------
