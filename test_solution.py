@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from solution import (BLOCK_SIZE, CHECKS, beam_search, BlockAllocator, BlockTable,
-                      check_invariants, compare_with_paper, demo_bench, evict_sweep,
-                      expected_tokens, fuzz, hash_block_tokens, lru_victim, main,
-                      measure_block_size, OutOfBlocksError, parallel_sampling,
+from solution import (admit_and_generate, beam_search, BLOCK_SIZE, BlockAllocator, BlockTable,
+                      check_invariants, CHECKS, compare_with_paper, demo_bench, evict_sweep,
+                      expected_tokens, fuzz, hash_block_tokens, lognormal_lengths, lru_victim,
+                      main, measure_block_size, OutOfBlocksError, parallel_sampling,
                       preemption_workload, prefix_reuse_lost, PrefixCachingAllocator, Request,
                       saving, ScanningAllocator, Scheduler, Sequence, share_prefix, snapshot,
                       swap_in, swap_out, sweep_workloads, SweepRow, sweet_spot, Workload)
@@ -109,6 +109,35 @@ def test_freed_blocks_are_reused_before_fresh_ones():
     a, b = pool.allocate(), pool.allocate()
     pool.free(a)
     assert pool.allocate() == a and pool.allocate() == 2 and b == 1
+
+
+def test_allocate_many_takes_freed_blocks_last_in_first_out_then_fresh_ones():
+    pool = BlockAllocator(10)
+    blocks = pool.allocate_many(4)                    # fresh: 0, 1, 2, 3
+    for block in (3, 1):
+        pool.free(block)                              # the free list: [3, 1]
+    assert blocks == [0, 1, 2, 3] and pool.allocate_many(3) == [1, 3, 4]
+    assert len(pool.kv_cache) == 5 * pool.block_size  # storage for blocks 0..4 only
+
+
+def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks():
+    pool = BlockAllocator(8, 4)
+    holes = [pool.allocate() for _ in range(4)]       # blocks 0..3
+    pool.free(holes[2])
+    scattered = Sequence("s", pool, range(10))        # blocks [2, 4, 5]: not one run
+    consecutive = Sequence("c", pool, range(100, 106))  # blocks [6, 7]: one run
+    assert list(scattered.block_table) == [2, 4, 5] and list(consecutive.block_table) == [6, 7]
+    scattered.extend(range(10, 12))                   # fills block 5 from offset 2
+    assert pool.read(5) == [8, 9, 10, 11] and pool.read(7) == [104, 105, None, None]
+    assert scattered.read() == list(range(12)) and consecutive.read() == list(range(100, 106))
+
+
+def test_an_empty_sequence_takes_no_blocks():
+    for pool in (BlockAllocator(2), PrefixCachingAllocator(2)):
+        seq = Sequence("e", pool)
+        assert len(seq.block_table) == 0 and pool.num_used == 0 and seq.read() == []
+        seq.append(5)
+        assert pool.num_used == 1 and seq.read() == [5]
 
 
 # -- block tables and sequences --------------------------------------------------------
@@ -301,10 +330,10 @@ def test_check_invariants_names_each_broken_invariant():
     with pytest.raises(AssertionError, match="ref-count != block-table references"):
         check_invariants(pool, [a, b])
     pool.ref_cnt[a.block_table[0]] -= 1
-    pool.slots(a.block_table[1])[0] = 77              # a write that skipped copy-on-write
+    pool.write(a.block_table[1:2], 0, [77])           # a write that skipped copy-on-write
     with pytest.raises(AssertionError, match="read-back"):
         check_invariants(pool, [a, b])
-    pool.slots(a.block_table[1])[0] = 4
+    pool.write(a.block_table[1:2], 0, [4])
     pool.free_block_ids.append(a.block_table[0])      # a block both used and free
     with pytest.raises(AssertionError, match="free list"):
         check_invariants(pool, [a, b])
@@ -493,7 +522,7 @@ def serve(policy, requests, gpu_blocks, host_blocks, block_size):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_both_policies_finish_every_request_with_its_tokens(policy, block_size):
     requests = preemption_workload(seed=block_size, num_requests=6)
-    stats = serve(policy, requests, 1024 // block_size, 256 // block_size, block_size)
+    stats = serve(policy, requests, 512 // block_size, 256 // block_size, block_size)
     assert stats.preemptions > 0
 
 
@@ -525,13 +554,13 @@ def test_the_scheduler_preempts_the_request_stepped_longest_ago():
     for req_id, prompt in prompts.items():
         scheduler.running[req_id] = Sequence(req_id, gpu, prompt)
     scheduler.last_step.update({0: 9, 1: 3, 2: 8})       # 1 is the oldest
-    scheduler._decode({r: Request(r, p, 5, 0) for r, p in prompts.items()}, step=10)
+    scheduler._decode({r: len(p) + 5 for r, p in prompts.items()}, step=10)
     assert 1 in scheduler.preempted and set(scheduler.running) == {0, 2}
 
 
 def test_a_full_host_pool_falls_back_to_recompute():
     requests = preemption_workload(seed=1, num_requests=10)
-    stats = serve("swap", requests, 2048 // 16, 2, 16)    # room for 2 host blocks only
+    stats = serve("swap", requests, 1024 // 16, 2, 16)    # room for 2 host blocks only
     assert stats.host_fallbacks > 0 and stats.recomputed_tokens > 0
     assert stats.preemptions >= stats.host_fallbacks
 
@@ -582,6 +611,15 @@ def test_evict_sweep_and_its_verdict_on_a_small_run(capsys):
     out = capsys.readouterr().out
     assert "Paper (7.3)" in out and "agrees on that shape" in out  # swap at 4 costs more
     assert rows[0][5] > rows[0][3]          # ...because per-layer swap loses at 4 tokens/block
+
+
+def test_the_verdict_says_whether_recompute_stays_within_1_2x_of_swap(capsys):
+    # (block size, preemptions, tokens restored, recompute s, swap s, per-layer swap s)
+    rows = [(4, 1, 100, 0.01, 0.005, 0.05), (16, 1, 100, 0.01, 0.004, 0.009)]
+    compare_with_paper(rows)
+    assert "recompute/swap is 1.1x-1.1x (inside the paper's" in capsys.readouterr().out
+    compare_with_paper(rows + [(64, 1, 100, 0.01, 0.004, 0.005)])
+    assert "is 1.1x-2.0x (OUTSIDE the paper's" in capsys.readouterr().out
 
 
 # -- parallel sampling and beam search ---------------------------------------------------
@@ -657,11 +695,27 @@ def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt():
 
 
 def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget():
-    rows = [SweepRow(size, frag, 0, 0, 0, 0) for size, frag in
+    rows = [SweepRow(size, frag, 0, 0, 0) for size, frag in
             [(1, 0.0), (8, 0.01), (16, 0.04), (32, 0.06), (64, 0.03), (128, 0.2)]]
     assert sweet_spot(rows) == 16             # stops at 32, though 64 dips under again
     assert sweet_spot(rows, max_fragmentation=0.035) == 8
     assert sweet_spot(rows, max_fragmentation=0.0) is None
+
+
+def test_admit_and_generate_takes_a_whole_request_or_changes_nothing():
+    pool = BlockAllocator(3, 4)
+    seq = admit_and_generate("a", pool, [1, 2, 3], [4, 5])  # 5 tokens: 2 blocks
+    assert seq.read() == [1, 2, 3, 4, 5] and pool.num_used == 2
+    refused(lambda: admit_and_generate("b", pool, [6], [7, 8, 9, 10]), OutOfBlocksError,
+            pool, [seq])
+
+
+def test_lognormal_lengths_sit_at_evenly_spaced_quantiles():
+    lengths = lognormal_lengths(random.Random(0), 100, 300, 10_000, 9)
+    assert sorted(lengths)[4] == 100                  # the middle quantile is the median
+    assert sorted(lengths) == sorted(lognormal_lengths(random.Random(1), 100, 300, 10_000, 9))
+    assert lengths != sorted(lengths)                 # in seeded random order
+    assert max(lognormal_lengths(random.Random(0), 100, 300, 200, 9)) == 200  # capped
 
 
 def test_sweep_workloads_are_seeded_and_overflow_their_budget():
