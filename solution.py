@@ -1753,8 +1753,11 @@ def bench_bare_append(num_blocks, num_tokens, block_size=BLOCK_SIZE):
 
 
 def bench_allocate_free(num_blocks, count):
+    """allocate + free on a warm pool (blocks come back from the free list), as above."""
     def make_run():
         pool = BlockAllocator(num_blocks)
+        for block in pool.allocate_many(count):
+            pool.free(block)
         def run():
             blocks = [pool.allocate() for _ in range(count)]
             for block in blocks:
