@@ -1212,11 +1212,12 @@ class Scheduler:
             seq = self.running.get(req_id)
             if seq is None:
                 continue  # preempted earlier in this step
-            while not self._append(seq, next_token(req_id, len(seq))):
+            position = len(seq)
+            while not self._append(seq, next_token(req_id, position)):
                 # There is always a victim: a request running alone fits (run checked it).
                 self._preempt(lru_victim(self.last_step, exclude=req_id))
             self.last_step[req_id] = step
-            if len(seq) == final_len[req_id]:
+            if position + 1 == final_len[req_id]:
                 self.finished[req_id] = seq.read()
                 self._retire(req_id).free()
         if self.check:
