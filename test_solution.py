@@ -14,7 +14,8 @@ from solution import (admit_and_generate, beam_search, BLOCK_SIZE, BlockAllocato
                       main, measure_block_size, OutOfBlocksError, parallel_sampling,
                       preemption_workload, prefix_reuse_lost, PrefixCachingAllocator, Request,
                       saving, ScanningAllocator, Scheduler, Sequence, share_prefix, snapshot,
-                      swap_in, swap_out, sweep_workloads, SweepRow, sweet_spot, Workload)
+                      swap_in, swap_out, SWEEP_SYSTEM_LEN, sweep_workloads, SweepRow,
+                      sweet_spot, Workload)
 
 
 def refused(call, exception, pool, sequences, match=None):
@@ -689,9 +690,11 @@ def test_block_table_entries_are_the_ceiling_of_length_over_size():
 
 
 def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt():
-    assert prefix_reuse_lost(1) == 0
-    assert prefix_reuse_lost(16) == pytest.approx((1001 % 16) / 1001)
-    assert prefix_reuse_lost(256) == pytest.approx((1001 - 768) / 1001)
+    # Only whole blocks of the prompt are cached: the tokens past the last full one are lost.
+    for size in (1, 2, 16, 256):
+        lost = SWEEP_SYSTEM_LEN % size
+        assert prefix_reuse_lost(size) == pytest.approx(lost / SWEEP_SYSTEM_LEN)
+    assert prefix_reuse_lost(16) > 0                  # the prompt's length is not a multiple
 
 
 def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget():
