@@ -172,17 +172,12 @@ class BlockAllocator:
 
     def share(self, block):
         """Add a reference to a block in use (ref-count + 1) and return it."""
-        refs = self.ref_cnt.get(block, 0) if type(block) is int else 0  # (True == 1)
-        if refs == 0:
-            self._check_in_use(block)  # raises, naming the problem
-        self.ref_cnt[block] = refs + 1
+        self.ref_cnt[block] = self._refs_in_use(block) + 1
         return block
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
-        refs = self.ref_cnt.get(block, 0) if type(block) is int else 0  # (True == 1)
-        if refs == 0:
-            self._check_in_use(block)  # raises, naming the problem
+        refs = self._refs_in_use(block)
         if refs > 1:
             self.ref_cnt[block] = refs - 1
         else:
@@ -264,7 +259,7 @@ class BlockAllocator:
         then never-used ones from the watermark."""
         free = self.free_block_ids
         if n == 1:  # the common case: a decode step crossing a block boundary
-            return [free.pop() if len(free) > 0 else self._take_fresh(1).start]
+            return [free.pop()] if len(free) > 0 else list(self._take_fresh(1))
         reused = free[len(free) - min(n, len(free)):]  # slices and ranges, not n pops
         del free[len(free) - len(reused):]
         reused.reverse()  # last in, first out
@@ -279,6 +274,13 @@ class BlockAllocator:
 
     def _release(self, block):
         self.free_block_ids.append(block)
+
+    def _refs_in_use(self, block):
+        """block's ref-count, or ValueError unless it is a block in use (one lookup)."""
+        refs = self.ref_cnt.get(block, 0) if type(block) is int else 0  # True would be 1
+        if refs == 0:
+            self._check_in_use(block)  # raises, naming the problem
+        return refs
 
     def _check_known(self, block):
         if type(block) is not int or not 0 <= block < self.num_blocks:
