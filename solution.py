@@ -28,7 +28,7 @@ ones above it and ends with a demo that prints what it measured.
     Part 10 benchmark ................ O(1) per operation, measured
 
 Run it:
-    python solution.py                  # every section, in reading order (~0.6 seconds)
+    python solution.py                  # every section, in reading order (~0.5 seconds)
     python solution.py cache beam       # only these sections; --help lists them
     python solution.py bench            # timings (not part of the default run)
     python -m pytest test_solution.py   # the tests
