@@ -201,10 +201,13 @@ class BlockAllocator:
         return self.kv_cache[block * self.block_size:(block + 1) * self.block_size]
 
     def write(self, blocks, offset, token_ids):
-        """Store token_ids from slot offset of blocks[0] on, then block_size per block. No
-        checks: the caller holds the blocks and made room. The stand-in for vLLM's
-        reshape_and_cache kernel, which stores each new token's K and V at its slot."""
+        """Store token_ids from slot offset of blocks[0] on, then block_size per block. The
+        caller holds the blocks and made room. The stand-in for vLLM's reshape_and_cache
+        kernel, which stores each new token's K and V at its slot."""
         kv_cache, block_size = self.kv_cache, self.block_size
+        if len(token_ids) > len(blocks) * block_size - offset:  # would spill into a neighbour
+            raise ValueError(f"{len(token_ids)} tokens do not fit in {len(blocks)} blocks "
+                             f"from offset {offset}")
         if len(blocks) > 0 and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             # NOTE: consecutive blocks are consecutive slots, so one copy does it, as one
             # kernel launch would. Fresh blocks come in such runs, and so do blocks that a

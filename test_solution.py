@@ -133,6 +133,15 @@ def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks():
     assert scattered.read() == list(range(12)) and consecutive.read() == list(range(100, 106))
 
 
+def test_a_write_that_would_spill_out_of_its_blocks_is_refused():
+    pool = BlockAllocator(4, 4)
+    blocks = pool.allocate_many(2)
+    refused(lambda: pool.write(blocks[:1], 2, [1, 2, 3]), ValueError, pool, [],
+            match="do not fit")
+    pool.write(blocks[:1], 2, [1, 2])
+    assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
+
+
 def test_an_empty_sequence_takes_no_blocks():
     for pool in (BlockAllocator(2), PrefixCachingAllocator(2)):
         seq = Sequence("e", pool)
