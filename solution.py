@@ -1585,7 +1585,8 @@ class SweepRow:
 
 
 def admit_and_generate(seq_id, pool, prompt, output):
-    """Admit a request and generate its output, or refuse it whole (on a plain pool)."""
+    """Admit a request and generate its output, or refuse it before anything changes.
+    (The check counts every block as new: exact on a plain pool, as the sweep uses.)"""
     pool.ensure_free(cdiv(len(prompt) + len(output), pool.block_size))  # check, then act
     seq = Sequence(seq_id, pool, prompt)
     seq.extend(output)
