@@ -16,7 +16,7 @@ the token ids themselves, so every test can read a sequence back through its blo
 and compare it with a plain Python list. Read it top to bottom; each part builds on the
 ones above it and ends with a demo that prints what it measured.
 
-    Part 1  the block pool ........... BlockAllocator: free list, ref-counts
+    Part 1  the block pool ........... BlockAllocator: free list, ref-counts, KV store
     Part 2  block tables, sequences .. BlockTable, Sequence: grow a block at the boundary
     Part 3  sharing .................. share_prefix, fork, copy-on-write
     Part 4  checks ................... check_invariants, a randomized oracle test
