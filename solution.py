@@ -16,7 +16,7 @@ the token ids themselves, so every test can read a sequence back through its blo
 and compare it with a plain Python list. Read it top to bottom; each part builds on the
 ones above it and ends with a demo that prints what it measured.
 
-    Part 1  the block pool ........... BlockAllocator: free list, ref-counts, KV store
+    Part 1  the block pool ........... KVCache (slots), BlockAllocator (free list, ref-counts)
     Part 2  block tables, sequences .. BlockTable, Sequence: grow a block at the boundary
     Part 3  sharing .................. share_prefix, fork, copy-on-write
     Part 4  checks ................... check_invariants, a randomized oracle test
@@ -59,6 +59,8 @@ Glossary
 import argparse
 import gc
 import hashlib
+import heapq
+import itertools
 import math
 import pickle
 import random
@@ -80,18 +82,18 @@ class OutOfBlocksError(MemoryError):
 
 
 def cdiv(a, b):
-    """Ceiling division: the blocks needed for a tokens at b tokens per block."""
+    """Ceiling division: cdiv(20, 16) == 2 blocks hold 20 tokens at 16 per block."""
     return -(-a // b)
 
 
 def _expect(condition, message):
-    """Raise AssertionError(message) unless condition holds (used by the checks)."""
+    """Raise AssertionError(message) unless condition holds (how every check fails)."""
     if not condition:
         raise AssertionError(message)
 
 
-def _positive_int(value, name):
-    """Return value if it is a positive int; TypeError or ValueError otherwise."""
+def check_positive_int(value, name):
+    """Return value if it is a positive int; TypeError or ValueError naming it otherwise."""
     if type(value) is not int:
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
     if value < 1:
@@ -99,47 +101,70 @@ def _positive_int(value, name):
     return value
 
 
-def _check_token(token):
-    """Raise TypeError or ValueError unless token is a valid token id (a non-negative int)."""
+def check_token(token):
+    """Raise TypeError or ValueError unless token is a token id (a non-negative int)."""
     if type(token) is not int:
         raise TypeError(f"token ids are non-negative ints, got {token!r} ({type(token).__name__})")
     if token < 0:
         raise ValueError(f"token ids are non-negative ints, got {token}")
 
 
-def _token_ids(tokens):
-    """A validated list copy of tokens."""
-    token_ids = list(tokens)
-    # Checked in C first (types, then the minimum); token by token only to name the culprit.
-    if not set(map(type, token_ids)) <= {int} or min(token_ids, default=0) < 0:
-        for token in token_ids:
-            _check_token(token)
-    return token_ids
+class KVCache:
+    """The memory the blocks stand for: one flat array of slots, block after block.
+
+    Offset o of block b is slot b * block_size + o, the number vLLM passes its kernels in
+    slot_mapping. Example: block_size 4, block 2, offset 1 -> slot 9. The "KV" stored in
+    a slot is the token id itself, so a sequence can be read back and compared.
+    """
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.slots = {}  # slot -> token id
+        # NOTE: a dict of the slots ever written stands in for the GPU tensor, so an idle
+        # million-block pool costs nothing. Like GPU memory it is never cleared: the block
+        # table and the sequence length, not the memory, say which slots mean anything.
+
+    def write(self, slot_mapping, token_ids):
+        """Store token_ids[i] in slot slot_mapping[i] (vLLM's reshape_and_cache kernel)."""
+        if len(slot_mapping) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots")
+        self.slots.update(zip(slot_mapping, token_ids))
+
+    def write_block(self, block, token_ids):
+        """Store token_ids from the first slot of block on (a copy or a swap)."""
+        if len(token_ids) > self.block_size:
+            raise ValueError(f"{len(token_ids)} tokens do not fit in a {self.block_size}-slot "
+                             "block")
+        self.write(range(block * self.block_size, block * self.block_size + len(token_ids)),
+                   token_ids)
+
+    def read(self, block):
+        """A copy of the block's slots: the token written there, None where none was."""
+        start = block * self.block_size
+        return self.gather(range(start, start + self.block_size))
+
+    def gather(self, slot_mapping):
+        """The token in each slot of slot_mapping, None where none was written."""
+        return list(map(self.slots.get, slot_mapping))
 
 
 class BlockAllocator:
-    """A fixed pool of physical KV blocks, handed out one at a time, shared by ref-count.
+    """A fixed pool of physical blocks: a free list and a ref-count per block in use.
 
-    Invariant: a block is in use exactly when it has a ref-count (>= 1); every other block
-    is free, so num_free + num_used == num_blocks. Every operation is O(1).
+    Invariant: a block is in use exactly when it has a ref-count (>= 1), free otherwise,
+    so num_free + num_used == num_blocks. Every operation is O(1) per block.
     """
 
-    enable_caching = False  # a PrefixCachingAllocator (Part 6) indexes full blocks
-
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
-        self.num_blocks = _positive_int(num_blocks, "num_blocks")  # blocks
-        self.block_size = _positive_int(block_size, "block_size")  # tokens per block
+        self.num_blocks = check_positive_int(num_blocks, "num_blocks")  # blocks
+        self.block_size = check_positive_int(block_size, "block_size")  # tokens per block
+        self.kv_cache = KVCache(block_size)
         self.ref_cnt = {}          # block -> references; only blocks in use have an entry
-        self.free_block_ids = []   # freed blocks, reused last in, first out
-        self.next_fresh = 0        # blocks next_fresh..num_blocks-1 were never handed out
-        self.num_copies = 0        # copy-on-write copies made (Part 3)
-        self.kv_cache = []         # the slots of blocks 0..next_fresh-1, block after block
-        # NOTE: vLLM builds a linked list of every block up front (FreeKVCacheBlockQueue).
-        # Handing out never-used blocks from a watermark instead makes a pool O(1) to build
-        # and an idle million-block pool cost bytes, not megabytes; the free list holds only
-        # blocks that came back. The KV store grows with the watermark for the same reason.
-        # Like vLLM's KV cache tensor, it is one flat array: offset o of block b is slot
-        # b * block_size + o, the numbers vLLM passes to its kernels as slot_mapping.
+        self.free_block_ids = []   # blocks given back, reused last in, first out
+        self.next_unused = 0       # blocks next_unused..num_blocks-1 were never handed out
+        self.num_copies = 0        # blocks copied (copy-on-write, Part 3)
+        # NOTE: vLLM links every block into its free queue up front. Handing out never-used
+        # blocks by counting instead makes a pool O(1) to build, whatever its size.
 
     @property
     def num_used(self):
@@ -149,150 +174,95 @@ class BlockAllocator:
     def num_free(self):
         return self.num_blocks - len(self.ref_cnt)
 
-    def allocate(self):
-        """Take a free block; it starts with ref-count 1."""
-        if len(self.ref_cnt) == self.num_blocks:
-            raise OutOfBlocksError(f"all {self.num_blocks} blocks are in use")
-        [block] = self._pop_free(1)
-        self.ref_cnt[block] = 1
-        return block
-
-    def allocate_many(self, n):
-        """Take n free blocks, or none: the check comes before the first allocation."""
-        self.ensure_free(n)
-        blocks = self._pop_free(n)
-        self.ref_cnt.update(dict.fromkeys(blocks, 1))
-        return blocks
-
     def ensure_free(self, n):
-        """Raise OutOfBlocksError unless n blocks are free (the check half of check-then-act)."""
+        """Raise OutOfBlocksError unless n blocks are free (the check of check-then-act)."""
         if n > self.num_free:
             raise OutOfBlocksError(f"need {n} free blocks, only {self.num_free} of "
                                    f"{self.num_blocks} are free")
 
+    def allocate_many(self, n):
+        """n free blocks with ref-count 1, or none. Example: in a new pool allocate_many(3)
+        -> [0, 1, 2]; then free(1), free(0), allocate_many(3) -> [0, 1, 3]: the last freed
+        first, then never-used ones."""
+        self.ensure_free(n)
+        blocks = [self._pop_free() for _ in range(n)]
+        self.ref_cnt.update(dict.fromkeys(blocks, 1))
+        return blocks
+
+    def allocate(self):
+        [block] = self.allocate_many(1)
+        return block
+
     def share(self, block):
         """Add a reference to a block in use (ref-count + 1) and return it."""
-        self.ref_cnt[block] = self._refs_in_use(block) + 1
+        self._check(block)
+        self.ref_cnt[block] += 1
         return block
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
-        refs = self._refs_in_use(block)
-        if refs > 1:
-            self.ref_cnt[block] = refs - 1
-        else:
+        self._check(block)
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
             del self.ref_cnt[block]
-            self._release(block)
+            self._give_back(block)
 
     def refcount(self, block):
         """References to block: 0 when it is free."""
-        self._check_known(block)
+        self._check(block, in_use=False)
         return self.ref_cnt.get(block, 0)
 
-    def read(self, block):
-        """A copy of the block's slots: token ids written there, None where none was.
-
-        NOTE: like GPU memory, a block is not cleared when it is reused; the block table
-        and the sequence length, not the memory, say which slots mean anything.
-        """
-        self._check_known(block)
-        if block >= self.next_fresh:
-            return [None] * self.block_size  # never handed out: no storage yet
-        return self.kv_cache[block * self.block_size:(block + 1) * self.block_size]
-
-    def write(self, blocks, offset, token_ids):
-        """Store token_ids from slot offset of blocks[0] on, then block_size per block. The
-        caller holds the blocks and made room. The stand-in for vLLM's reshape_and_cache
-        kernel, which stores each new token's K and V at its slot."""
-        kv_cache, block_size = self.kv_cache, self.block_size
-        if len(token_ids) > len(blocks) * block_size - offset:  # would spill into a neighbour
-            raise ValueError(f"{len(token_ids)} tokens do not fit in {len(blocks)} blocks "
-                             f"from offset {offset}")
-        if len(blocks) > 0 and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-            # NOTE: consecutive blocks are consecutive slots, so one copy does it, as one
-            # kernel launch would. Fresh blocks come in such runs, and so do blocks that a
-            # sequence freed (tail first) and the free list hands out again (last in first).
-            slot = blocks[0] * block_size + offset
-            kv_cache[slot:slot + len(token_ids)] = token_ids
-            return
-        start = 0
-        for block in blocks:
-            slot = block * block_size + offset
-            chunk = token_ids[start:start + block_size - offset]
-            kv_cache[slot:slot + len(chunk)] = chunk
-            start += len(chunk)
-            offset = 0
-
-    def writable(self, block):
-        """Whether the holder of a reference may write into block in place."""
+    def is_writable(self, block):
+        """Whether the one holder of a reference may write block in place (copy-on-write)."""
         return self.ref_cnt[block] == 1
 
     def copy_block(self, src):
-        """A new block holding src's contents: the stand-in for vLLM's copy kernel."""
-        self._check_in_use(src)
+        """A new block holding src's slots (vLLM's copy_blocks kernel does it on the GPU)."""
         dst = self.allocate()
-        self.write([dst], 0, self.read(src))
+        self.kv_cache.write_block(dst, self.kv_cache.read(src))
         self.num_copies += 1
         return dst
 
+    def read(self, block):
+        self._check(block, in_use=False)
+        return self.kv_cache.read(block)
+
+    # The two hooks a prefix cache (Part 6) attaches through; a plain pool remembers nothing.
     def allocate_prompt(self, token_ids):
-        """Blocks for a new prompt, as (blocks, keys of leading blocks that already hold it).
+        """Blocks for a new prompt, and how many leading ones already hold it: none here."""
+        return self.allocate_many(cdiv(len(token_ids), self.block_size)), 0
 
-        A plain pool remembers nothing, so every block is new and none holds the prompt.
-        """
-        return self.allocate_many(cdiv(len(token_ids), self.block_size)), []
+    def block_full(self, block, parent, token_ids):
+        """block, after parent (None for a first block), was just filled with token_ids."""
 
-    def free_blocks(self):
-        """Every free block id (O(pool): for checks, never for hot paths)."""
-        return [*self.free_block_ids, *range(self.next_fresh, self.num_blocks)]
+    def list_free(self):
+        """Every free block id: O(pool), for checks only."""
+        return [*self.free_block_ids, *range(self.next_unused, self.num_blocks)]
 
     def audit(self):
-        """Raise AssertionError if the free lists and ref-counts disagree."""
-        free = self.free_blocks()
-        _expect(len(set(free)) == len(free), "free list: a block is listed free twice")
-        _expect(self.ref_cnt.keys().isdisjoint(free), "free list: a block in use is listed free")
-        _expect(all(refs >= 1 for refs in self.ref_cnt.values()),
-                "ref-count: a block in use has ref-count < 1")
-        _expect(len(free) == self.num_free and self.num_free + self.num_used == self.num_blocks,
-                f"free/used counts wrong: {len(free)} listed free, num_free {self.num_free}, "
-                f"num_used {self.num_used}, num_blocks {self.num_blocks}")
+        """Raise AssertionError if the free list and the ref-counts disagree."""
+        free = self.list_free()
+        _expect(len(set(free)) == len(free) == self.num_free and
+                self.ref_cnt.keys().isdisjoint(free), "free list: a block is listed free "
+                "twice, or while in use, or the free and used counts do not add up")
+        _expect(all(refs >= 1 for refs in self.ref_cnt.values()), "a block in use has "
+                "ref-count < 1")
 
-    def _pop_free(self, n):
-        """n free blocks (the caller checked there are): the most recently freed first,
-        then never-used ones from the watermark."""
-        free = self.free_block_ids
-        if n == 1:  # the common case: a decode step crossing a block boundary
-            return [free.pop()] if len(free) > 0 else list(self._take_fresh(1))
-        reused = free[len(free) - min(n, len(free)):]  # slices and ranges, not n pops
-        del free[len(free) - len(reused):]
-        reused.reverse()  # last in, first out
-        return reused + list(self._take_fresh(n - len(reused)))
+    def _pop_free(self):
+        if len(self.free_block_ids) > 0:
+            return self.free_block_ids.pop()
+        self.next_unused += 1
+        return self.next_unused - 1
 
-    def _take_fresh(self, n):
-        """The next n never-used blocks; the KV cache grows to hold their slots."""
-        fresh = range(self.next_fresh, self.next_fresh + n)
-        self.next_fresh += n
-        self.kv_cache += [None] * (n * self.block_size)
-        return fresh
-
-    def _release(self, block):
+    def _give_back(self, block):
         self.free_block_ids.append(block)
 
-    def _refs_in_use(self, block):
-        """block's ref-count, or ValueError unless it is a block in use (one lookup)."""
-        refs = self.ref_cnt.get(block, 0) if type(block) is int else 0  # True would be 1
-        if refs == 0:
-            self._check_in_use(block)  # raises, naming the problem
-        return refs
-
-    def _check_known(self, block):
+    def _check(self, block, in_use=True):
+        """The one block check: a block id of this pool, and in use unless told otherwise."""
         if type(block) is not int or not 0 <= block < self.num_blocks:
             raise ValueError(f"unknown block {block!r}: block ids are ints in "
                              f"0..{self.num_blocks - 1}")
-
-    def _check_in_use(self, block):
-        self._check_known(block)
-        if block not in self.ref_cnt:
+        if in_use and block not in self.ref_cnt:
             raise ValueError(f"block {block} is free (double free, or never allocated)")
 
 
@@ -304,7 +274,7 @@ class BlockTable(list):
     """A sequence's page table: entry i is the physical block holding logical block i.
 
     Example: block_size 16, tokens 0..19 stored in physical blocks [7, 2]:
-    slot(17) == (2, 1), token 17 lives in block 2 at offset 1.
+    slot(17) == (2, 1), token 17 lives in block 2 at offset 1 (KV slot 2 * 16 + 1 = 33).
     """
 
     def __init__(self, block_size, blocks=()):
@@ -318,38 +288,54 @@ class BlockTable(list):
                              f"{len(self) * self.block_size} slots")
         return self[i // self.block_size], i % self.block_size
 
+    def slot_mapping(self, start, end):
+        """The KV slot of each of the tokens start..end-1 (vLLM's slot_mapping).
+
+        Example: block_size 4, table [3, 0, 5]: slot_mapping(6, 9) == [2, 3, 20].
+        """
+        if not 0 <= start <= end <= len(self) * self.block_size:
+            raise IndexError(f"tokens {start}..{end - 1} are outside this table's "
+                             f"{len(self) * self.block_size} slots")
+        block_size, first = self.block_size, start // self.block_size
+        slots = itertools.chain.from_iterable(  # every slot of each block the tokens touch
+            range(block * block_size, (block + 1) * block_size)
+            for block in self[first:cdiv(end, block_size)])
+        skip = start - first * block_size  # slots of the first block before token start
+        return list(itertools.islice(slots, skip, skip + end - start))
+
+
+def check_tokens(tokens):
+    """A list copy of tokens, each checked by check_token."""
+    token_ids = list(tokens)
+    if not set(map(type, token_ids)) <= {int} or min(token_ids, default=0) < 0:
+        for token in token_ids:  # (the test above runs in C; this names the culprit)
+            check_token(token)
+    return token_ids
+
 
 class Sequence:
     """A request's tokens and the block table that says where each one is stored.
 
     Invariant: len(block_table) == cdiv(len(tokens), block_size) and token i is stored at
     block_table.slot(i). A sequence writes only into its last block, and only when the
-    pool says that block is its alone (copy-on-write otherwise).
+    pool says nobody else can see it (otherwise it copies the block first).
     """
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
             raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
-        token_ids = _token_ids(tokens)
+        token_ids = check_tokens(tokens)
         self.seq_id = seq_id
         self.allocator = allocator
-        self.block_size = allocator.block_size  # tokens per block (a copy for append's sake)
-        self.tokens = []                                    # logical tokens, in order
+        self.block_size = allocator.block_size
+        self.tokens = []                                 # logical tokens, in order
         self.block_table = BlockTable(self.block_size)
-        self.block_hashes = []  # key of each full block; kept only on a prefix-caching pool
         self.is_freed = False
-        self._tail_slot = None  # slot of the last block's offset 0, while only we write it
-        if len(token_ids) > 0:  # (fork and share_prefix start empty, then attach blocks)
-            self._prefill(token_ids)
-
-    def _prefill(self, token_ids):
-        """Take blocks for the prompt (some may come from a prefix cache), then write it."""
-        blocks, keys = self.allocator.allocate_prompt(token_ids)  # all, or an exception
-        self.block_table.extend(blocks)
-        self.block_hashes.extend(keys)
-        num_cached = len(keys) * self.block_size            # tokens already in those blocks
-        self.tokens.extend(token_ids[:num_cached])
-        self._write(token_ids[num_cached:])
+        if len(token_ids) > 0:
+            blocks, num_held = allocator.allocate_prompt(token_ids)  # all, or an exception
+            self.block_table.extend(blocks)
+            self.tokens.extend(token_ids[:num_held * self.block_size])
+            self._write(token_ids[num_held * self.block_size:])
 
     def __len__(self):
         return len(self.tokens)
@@ -359,54 +345,45 @@ class Sequence:
                 f"blocks {list(self.block_table)})")
 
     def append(self, token):
-        """Add one token (a decode step): O(1); a new block only at a block boundary."""
-        # NOTE: a server calls this once per running sequence per step, the allocator's
-        # hottest path. So the last block's first slot is kept at hand (_tail_slot) while
-        # this sequence is known to be the block's only writer: the common case is one store.
-        # Everything else (a boundary, a shared tail, a bad token, a freed sequence, a
-        # prefix cache to tell about a full block) takes the slow path.
-        tokens = self.tokens
-        offset = len(tokens) % self.block_size
-        slot = self._tail_slot
-        if offset > 0 and slot is not None and type(token) is int and token >= 0:
-            self.allocator.kv_cache[slot + offset] = token  # room in a tail that is ours alone
-            tokens.append(token)
-        else:
-            self._append_slow(token, offset)
+        """Add one token (a decode step): a new block exactly when the last one is full,
+        a private copy of the last block if another sequence can still see it.
 
-    def _append_slow(self, token, offset):
-        """append when the common case does not hold: check, then act, as extend does."""
-        if self.is_freed:
-            self._check_live()  # raises
-        if type(token) is not int or token < 0:
-            _check_token(token)  # raises, naming the problem
+        Example: block_size 4, tokens [5, 6, 7, 8] in table [3]: append(9) takes a free
+        block, say 0, so the table is [3, 0], and writes 9 at slot 0 * 4 + 0.
+        """
+        self._check_live()
+        check_token(token)
+        pool, n, block_size = self.allocator, len(self.tokens), self.block_size
+        offset = n % block_size
         if offset == 0:
-            self.block_table.append(self.allocator.allocate())  # exactly at the boundary
-        else:
-            self._reserve(1)  # copy-on-write, if the tail is shared
-        slot = self.block_table[-1] * self.block_size
-        self.allocator.kv_cache[slot + offset] = token
+            self.block_table.append(pool.allocate())         # the last block is full
+        elif not pool.is_writable(self.block_table[-1]):
+            self._copy_last_block()                          # shared: copy-on-write
+        block = self.block_table[-1]
+        pool.kv_cache.slots[block * block_size + offset] = token  # write the slot
         self.tokens.append(token)
-        if not self.allocator.enable_caching:
-            self._tail_slot = slot  # ours alone until _reserve, _share or free says otherwise
-        elif offset == self.block_size - 1:
-            self._block_filled(len(self.tokens) // self.block_size - 1)
+        if offset == block_size - 1:
+            pool.block_full(block, self.block_table[-2] if n >= block_size else None,
+                            self.tokens[n + 1 - block_size:])
 
     def extend(self, tokens):
-        """Add tokens: make room first (new blocks, a private tail), then write."""
+        """Add tokens: make room first (new blocks, a private last block), then write."""
         self._check_live()
-        token_ids = _token_ids(tokens)
-        self._reserve(len(token_ids))
+        token_ids = check_tokens(tokens)
+        pool, n = self.allocator, len(self.tokens)
+        copy = len(token_ids) > 0 and n % self.block_size > 0 and not pool.is_writable(
+            self.block_table[-1])
+        num_new = cdiv(n + len(token_ids), self.block_size) - len(self.block_table)
+        pool.ensure_free(num_new + copy)                     # check, then act
+        if copy:
+            self._copy_last_block()
+        self.block_table.extend(pool.allocate_many(num_new))
         self._write(token_ids)
 
     def read(self):
-        """The sequence's tokens, gathered from physical blocks through the block table."""
+        """The sequence's tokens, gathered from the KV cache through the block table."""
         self._check_live()
-        out = []
-        for block in self.block_table:
-            out.extend(self.allocator.read(block))
-        del out[len(self.tokens):]
-        return out
+        return self.allocator.kv_cache.gather(self.block_table.slot_mapping(0, len(self.tokens)))
 
     def free(self):
         """Release every block; the sequence cannot be used afterwards."""
@@ -416,93 +393,49 @@ class Sequence:
         for block in reversed(self.block_table):
             self.allocator.free(block)
         self.block_table.clear()
-        self.block_hashes.clear()
-        self._tail_slot = None
         self.is_freed = True
 
-    def _reserve(self, num_tokens):
-        """Make room for num_tokens more tokens, all or nothing: check, then mutate."""
-        block_size = self.block_size
-        n = len(self.tokens)
-        writes_tail = num_tokens > 0 and n % block_size != 0
-        cow = writes_tail and not self.allocator.writable(self.block_table[-1])
-        num_new = cdiv(n + num_tokens, block_size) - len(self.block_table)
-        self.allocator.ensure_free(num_new + (1 if cow else 0))
-        self._tail_slot = None  # the tail may change; append looks again
-        if cow:
-            self._copy_on_write()
-        self.block_table.extend(self.allocator.allocate_many(num_new))
-
     def _write(self, token_ids):
-        """Store token_ids after the current tokens, a block at a time (room is reserved)."""
-        block_size = self.block_size
-        start, end = len(self.tokens), len(self.tokens) + len(token_ids)
+        """Store token_ids after the last token (room was made); tell the pool of every
+        block this fills."""
+        pool, block_size, start = self.allocator, self.block_size, len(self.tokens)
+        pool.kv_cache.write(self.block_table.slot_mapping(start, start + len(token_ids)),
+                            token_ids)
         self.tokens.extend(token_ids)
-        first, offset = divmod(start, block_size)
-        self.allocator.write(self.block_table[first:cdiv(end, block_size)], offset, token_ids)
-        if self.allocator.enable_caching:
-            for k in range(start // block_size, end // block_size):
-                self._block_filled(k)
+        for k in range(start // block_size, len(self.tokens) // block_size):
+            pool.block_full(self.block_table[k], self.block_table[k - 1] if k > 0 else None,
+                            self.tokens[k * block_size:(k + 1) * block_size])
 
-    def _block_filled(self, k):
-        """Logical block k just became full: a prefix-caching pool (Part 6) indexes it."""
-        block_size = self.block_size
-        parent = self.block_hashes[k - 1] if k > 0 else None
-        block_tokens = self.tokens[k * block_size:(k + 1) * block_size]
-        self.block_hashes.append(
-            self.allocator.cache_full_block(self.block_table[k], parent, block_tokens))
-
-    def _attach(self, tokens, blocks, block_hashes=()):
-        """Take over blocks that already hold tokens; the caller took their references."""
-        self.block_table.extend(blocks)
-        self.block_hashes.extend(block_hashes)
-        self.tokens.extend(tokens)
-        return self
+    def _copy_last_block(self):
+        """Swap our reference to the shared last block for one to a private copy."""
+        shared = self.block_table[-1]
+        self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: nothing changed
+        self.allocator.free(shared)
 
     def _check_live(self):
         if self.is_freed:
             raise ValueError(f"sequence {self.seq_id!r} was freed; it holds no blocks")
 
-    # -- Part 3 lives in these two methods and share_prefix below --------------------
-
-    def _copy_on_write(self):
-        # NOTE: the tail block is partly full and someone else can still see it. Writing
-        # in place would change what they read, so write into a private copy instead and
-        # drop our reference to the original. Only the last block is ever written, so
-        # this is the only place a sequence copies.
-        shared = self.block_table[-1]
-        self.block_table[-1] = self.allocator.copy_block(shared)
-        self.allocator.free(shared)
-
-    def _share(self, seq_id, num_tokens):
-        """A new sequence whose first num_tokens tokens use this one's blocks."""
-        self._check_live()
-        block_size = self.block_size
-        blocks = [self.allocator.share(b) for b in self.block_table[:cdiv(num_tokens, block_size)]]
-        self._tail_slot = None  # our tail may be shared now: the next append checks
-        return Sequence(seq_id, self.allocator)._attach(
-            self.tokens[:num_tokens], blocks, self.block_hashes[:num_tokens // block_size])
-
-    def fork(self, seq_id):
-        """A new sequence sharing every block of this one (ref-count + 1 each)."""
-        return self._share(seq_id, len(self.tokens))
-
 
 # ---------------------------------------------------------------------------------------
-# Part 3. Sharing a prefix
+# Part 3. Sharing a prefix, and copy-on-write
 # ---------------------------------------------------------------------------------------
 # Sharing costs one ref-count per block and copies nothing. The price is paid later, and
-# only where the sharers diverge: the first write into a shared, partly full last block
-# copies that one block (Sequence._copy_on_write above). Full blocks are never written
-# again, so they stay shared for as long as both sequences live.
+# only where the sharers diverge. Full blocks are never written again, so they stay shared
+# for as long as the sharers live. A shared, partly full last block is different: the
+# first sharer to append would write a slot the others read as "not yet written", and
+# the next one would overwrite it. So append and extend ask pool.is_writable first, and
+# if the block has another reference, however it was taken, they copy it
+# (Sequence._copy_last_block) and write into the copy. Only the last block is ever
+# written, so that is the only place a sequence copies.
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence whose first num_tokens tokens (default: all) are src's, stored in
     src's physical blocks, including a partly covered last block.
 
-    Example: src holds 20 tokens in blocks [a, b]; share_prefix(src, "x", 18) gives "x"
-    the table [a, b] (ref-counts 2 and 2) and 18 tokens. Whoever of the two writes into b
-    first while it is shared gets a private copy.
+    Example: src holds 20 tokens in blocks [a, b] (block_size 16); share_prefix(src, "x",
+    18) gives "x" the table [a, b] (ref-counts 2 and 2) and 18 tokens. Whichever of the
+    two writes into b first while it is shared gets a private copy.
     """
     src._check_live()
     if num_tokens is None:
@@ -512,7 +445,19 @@ def share_prefix(src, seq_id, num_tokens=None):
     if not 0 <= num_tokens <= len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} "
                          f"(the length of sequence {src.seq_id!r})")
-    return src._share(seq_id, num_tokens)
+    seq = Sequence(seq_id, src.allocator)
+    seq.block_table.extend(src.allocator.share(block)
+                           for block in src.block_table[:cdiv(num_tokens, src.block_size)])
+    seq.tokens.extend(src.tokens[:num_tokens])
+    return seq
+
+
+def fork(self, seq_id):
+    """A new sequence sharing every block of this one (ref-count + 1 each)."""
+    return share_prefix(self, seq_id)
+
+
+Sequence.fork = fork  # seq.fork("b"): a method, defined here with the rest of sharing
 
 
 # ---------------------------------------------------------------------------------------
@@ -528,6 +473,8 @@ def check_invariants(allocator, sequences):
     allocator.audit()
     references = Counter()
     for seq in sequences:
+        _expect(seq.allocator is allocator, f"pool: sequence {seq.seq_id!r} belongs to "
+                "another pool")
         if seq.is_freed:
             _expect(len(seq.block_table) == 0, f"freed sequence {seq.seq_id!r} still holds blocks")
             continue
@@ -707,8 +654,9 @@ def admit_until_full(admit, limit=None):
 
 def reserve_max_len(allocator, tokens, max_len):
     """The scheme before paging: reserve max_len slots up front, then write the tokens."""
-    blocks = allocator.allocate_many(cdiv(max_len, allocator.block_size))
-    allocator.write(blocks, 0, tokens)  # the first len(tokens) slots; the rest wait, unused
+    table = BlockTable(allocator.block_size, allocator.allocate_many(
+        cdiv(max_len, allocator.block_size)))
+    allocator.kv_cache.write(table.slot_mapping(0, len(tokens)), tokens)  # the rest: unused
 
 
 def written_share(allocator):
@@ -804,49 +752,113 @@ def demo_cow():
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same keys as paths in a radix tree).
 
-NONE_HASH = bytes(32)  # the parent key of a sequence's first block (vLLM's name)
+NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
 
 def hash_block_tokens(parent_hash, token_ids):
-    """The key of a full block: SHA-256 of the previous block's key (None for the first
-    block) and this block's tokens.
+    """The block hash of a full block: SHA-256 of the previous block's hash (None for the
+    first block) and this block's tokens.
 
-    NOTE: chaining makes the key cover tokens 0..end of this block, so equal tokens after a
-    different history never match (their KV differs: attention saw other tokens). SHA-256
-    rather than Python's hash(): a collision would hand one prompt another prompt's KV, and
-    a 64-bit hash can be collided on purpose (vLLM added SHA-256 keys after a 2025 security
-    advisory showed exactly that). With SHA-256 we trust the key and, like vLLM, do not
-    compare tokens on a hit. Like vLLM, we hash the pickled pair: one byte string that
-    cannot be read as another (parent, tokens) pair.
+    Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]),
+    h1 = hash_block_tokens(h0, [5, 6, 7, 8]). Prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
+    second block of tokens but another parent, so its second hash differs from h1.
+
+    NOTE: chaining makes the hash cover tokens 0..end of this block, so equal tokens after
+    a different history never match (their KV differs: attention saw other tokens).
+    SHA-256 rather than Python's hash(): a collision would hand one prompt another
+    prompt's KV, and a 64-bit hash can be collided on purpose (vLLM added SHA-256 after a
+    2025 security advisory showed exactly that). With SHA-256 we trust the hash and, like
+    vLLM, do not compare tokens on a hit. Like vLLM, we hash the pickled pair: one byte
+    string that cannot be read as another (parent, tokens) pair.
     """
     parent = NONE_HASH if parent_hash is None else parent_hash
     pair = pickle.dumps((parent, list(token_ids)), protocol=pickle.HIGHEST_PROTOCOL)
     return hashlib.sha256(pair).digest()
 
 
-class PrefixCachingAllocator(BlockAllocator):
-    """A block pool that remembers full blocks by key, so later prompts reuse them.
+class LRU:
+    """Evictable blocks, least recently freed first: vLLM's eviction order."""
 
-    Invariants: cached_block_hash_to_block and block_hash are inverse maps over the cached
-    blocks; a cached block holds exactly its key's tokens. A cached block nobody references
-    is evictable: free (counted in num_free) but kept, least recently freed first.
+    def __init__(self):
+        self.order = OrderedDict()  # block -> None, least recently freed first
+
+    def __len__(self):
+        return len(self.order)
+
+    def __contains__(self, block):
+        return block in self.order
+
+    def cached(self, block):
+        """block was just indexed under its hash (LRU does not care when)."""
+
+    def add(self, block):
+        """block was freed: it becomes evictable, the most recently freed."""
+        self.order[block] = None
+
+    def remove(self, block):
+        """block was hit again: not evictable while in use."""
+        del self.order[block]
+
+    def pop(self):
+        """The block to evict."""
+        return self.order.popitem(last=False)[0]
+
+
+class FIFO(LRU):
+    """Evict the block cached longest ago, whatever its reuse since: a hit does not save
+    it. NOTE: a heap with lazy deletion, O(log n) per eviction; the lab's baseline, not
+    the core."""
+
+    def __init__(self):
+        super().__init__()
+        self.since = {}                # cached block -> when it was cached
+        self.heap = []                 # (when cached, block), stale entries included
+        self.clock = itertools.count()
+
+    def cached(self, block):
+        self.since[block] = next(self.clock)
+
+    def add(self, block):
+        super().add(block)
+        heapq.heappush(self.heap, (self.since[block], block))
+
+    def pop(self):
+        while True:
+            since, block = heapq.heappop(self.heap)
+            if block in self.order and self.since[block] == since:
+                del self.order[block], self.since[block]
+                return block
+
+
+POLICIES = {"lru": LRU, "fifo": FIFO}
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A block pool that remembers full blocks by their block hash, so later prompts with
+    the same tokens reuse them.
+
+    Invariants: cached_block_hash_to_block maps each hash to one block that holds it;
+    block_hash knows the hash of every full block in use or cached; a cached block
+    nobody references is evictable: free (counted in num_free) but kept until needed.
     """
 
-    enable_caching = True
-
-    def __init__(self, num_blocks, block_size=BLOCK_SIZE):
+    def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru"):
         super().__init__(num_blocks, block_size)
-        self.cached_block_hash_to_block = {}  # key -> block (vLLM's name for this map)
-        self.block_hash = {}                  # block -> key, for every cached block
-        self.evictable = OrderedDict()        # free cached blocks, least recently freed first
+        if policy == "optimal":
+            raise ValueError("policy 'optimal' needs the future: pass the OptimalPolicy a "
+                             "trace replay builds (see replay_trace)")
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)} or a policy "
+                             f"object, got {policy!r}")
+        self.cached_block_hash_to_block = {}  # block hash -> block (vLLM's name for this map)
+        self.block_hash = {}                  # block -> its block hash, every full block
+        self.evictable = POLICIES[policy]() if isinstance(policy, str) else policy
         self.hits = 0       # full prompt blocks found in the cache at admission
         self.misses = 0     # full prompt blocks not found
-        self.evictions = 0  # cached blocks given to someone else
-        # NOTE: vLLM keeps cached and uncached free blocks in one queue and pops its head.
-        # Two structures let us hand out never-cached blocks first and evict only when
-        # nothing else is left. OrderedDict gives O(1) append, removal from the middle (a
-        # revived block) and pop of the oldest: the three things vLLM's intrusive doubly
-        # linked list is for.
+        self.evictions = 0  # cached blocks handed to someone else
+        # NOTE: vLLM keeps cached and never-cached free blocks in one queue and pops its
+        # head. Keeping them apart hands out never-cached blocks first and evicts only when
+        # nothing else is left; the eviction order is a policy object (LRU is vLLM's).
 
     @property
     def hit_rate(self):
@@ -859,75 +871,76 @@ class PrefixCachingAllocator(BlockAllocator):
         return len(self.evictable)
 
     def allocate_prompt(self, token_ids):
-        """Reuse the longest run of leading full blocks whose keys are cached; allocate the
-        rest. All or nothing: reviving an evictable block takes it out of num_free too."""
-        block_size = self.block_size
-        num_full = len(token_ids) // block_size
-        keys, hits = [], []
-        for k in range(num_full):
-            key = hash_block_tokens(keys[-1] if k > 0 else None,
-                                    token_ids[k * block_size:(k + 1) * block_size])
-            block = self.cached_block_hash_to_block.get(key)
+        """Reuse the longest run of leading full blocks whose hashes are cached; allocate
+        the rest. All or nothing: reviving an evictable block takes it out of num_free too.
+
+        Example: block_size 4, "a" = tokens 0..9 cached blocks [0, 1] (hashes h0, h1);
+        "b" = tokens 0..7 then 50..54 finds h0 and h1, misses the third full block: it gets
+        [0, 1] shared plus 2 new blocks, and 2 hits, 1 miss are counted.
+        """
+        block_size, hashes, hits = self.block_size, [], []
+        for k in range(len(token_ids) // block_size):
+            hashes.append(hash_block_tokens(hashes[-1] if k > 0 else None,
+                                            token_ids[k * block_size:(k + 1) * block_size]))
+            block = self.cached_block_hash_to_block.get(hashes[-1])
             if block is None:
                 break
-            keys.append(key)
             hits.append(block)
         num_new = cdiv(len(token_ids), block_size) - len(hits)
         self.ensure_free(num_new + sum(1 for block in hits if block in self.evictable))
         for block in hits:
-            self._touch(block)
+            if block in self.evictable:
+                self.evictable.remove(block)  # revived: in use again
+            self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
         self.hits += len(hits)
-        self.misses += num_full - len(hits)
-        return hits + self.allocate_many(num_new), keys
+        self.misses += len(token_ids) // block_size - len(hits)
+        return hits + self.allocate_many(num_new), len(hits)
 
-    def cache_full_block(self, block, parent_hash, token_ids):
-        """Index a block that just became full; return its key."""
-        key = hash_block_tokens(parent_hash, token_ids)
-        # NOTE: if another block already holds this key (two sequences filled identical
-        # blocks independently), the first stays the cached one and this block remains a
-        # private, uncached copy. vLLM v1 keeps both; one is enough to show the idea.
-        if key not in self.cached_block_hash_to_block:
-            self.cached_block_hash_to_block[key] = block
-            self.block_hash[block] = key
-        return key
+    def block_full(self, block, parent, token_ids):
+        """Hash the block that just filled, and cache it unless its hash already is."""
+        parent_hash = None if parent is None else self.block_hash[parent]
+        self.block_hash[block] = hash_block_tokens(parent_hash, token_ids)
+        # NOTE: if another block already holds this hash (two sequences filled identical
+        # blocks apart), the first stays the cached one and this one is freed uncached.
+        # vLLM v1 keeps both; one is enough to show the idea.
+        if self.block_hash[block] not in self.cached_block_hash_to_block:
+            self.cached_block_hash_to_block[self.block_hash[block]] = block
+            self.evictable.cached(block)
 
-    def writable(self, block):
-        # NOTE: a cached block is immutable even with one holder: a sequence that shares a
-        # block only partly (share_prefix mid-block) would otherwise overwrite KV that the
-        # cache will hand to the next prompt with this key. It copies instead.
-        return super().writable(block) and block not in self.block_hash
+    def is_writable(self, block):
+        # NOTE: a full block is never written, even with one holder: one that share_prefix
+        # covered only partly would otherwise overwrite KV that the cache hands to the
+        # next prompt with this hash. It copies instead.
+        return self.ref_cnt[block] == 1 and block not in self.block_hash
 
-    def free_blocks(self):
-        return super().free_blocks() + list(self.evictable)
+    def list_free(self):
+        return super().list_free() + [block for block in self.block_hash
+                                      if block in self.evictable]
 
     def audit(self):
         super().audit()
-        _expect(all(self.cached_block_hash_to_block.get(key) == block
-                    for block, key in self.block_hash.items())
-                and len(self.block_hash) == len(self.cached_block_hash_to_block),
-                "cache: the key->block and block->key maps disagree")
-        _expect(all(block in self.block_hash and block not in self.ref_cnt
-                    for block in self.evictable),
+        cached = {block: key for key, block in self.cached_block_hash_to_block.items()}
+        _expect(all(self.block_hash.get(block) == key for block, key in cached.items()),
+                "cache: the hash -> block and block -> hash maps disagree")
+        _expect(all(block in self.ref_cnt or block in self.evictable
+                    for block in self.block_hash), "cache: a hashed block is neither in use "
+                "nor evictable")
+        _expect(len(self.evictable) == sum(1 for block in cached if block in self.evictable)
+                and all(block not in self.ref_cnt for block in cached
+                        if block in self.evictable),
                 "cache: an evictable block is uncached or still referenced")
 
-    def _touch(self, block):
-        """Take a reference to a cached block, reviving it if it was evictable."""
-        self.evictable.pop(block, None)
-        self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
-
-    def _release(self, block):
-        if block in self.block_hash:
-            self.evictable[block] = None  # appended: the most recently freed
+    def _give_back(self, block):
+        if self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block:
+            self.evictable.add(block)  # cached: kept, evictable
         else:
-            super()._release(block)
+            self.block_hash.pop(block, None)
+            super()._give_back(block)
 
-    def _pop_free(self, n):
-        uncached = min(n, len(self.free_block_ids) + self.num_blocks - self.next_fresh)
-        # Blocks no cache entry will miss first; then evict, least recently freed first.
-        return super()._pop_free(uncached) + [self._evict() for _ in range(n - uncached)]
-
-    def _evict(self):
-        block, _ = self.evictable.popitem(last=False)
+    def _pop_free(self):
+        if len(self.free_block_ids) > 0 or self.next_unused < self.num_blocks:
+            return super()._pop_free()  # blocks no cache entry will miss go first
+        block = self.evictable.pop()
         del self.cached_block_hash_to_block[self.block_hash.pop(block)]
         self.evictions += 1
         return block
@@ -1033,7 +1046,8 @@ def cache_chained_keys():
     b = Sequence("b", pool, z + y)  # the same block of tokens y, after another history
     alone = "equal" if hash_block_tokens(None, a.tokens[4:]) == hash_block_tokens(
         None, b.tokens[4:]) else "different"
-    chained = "EQUAL" if a.block_hashes[1] == b.block_hashes[1] else "different"
+    chained = "EQUAL" if pool.block_hash[a.block_table[1]] == pool.block_hash[
+        b.block_table[1]] else "different"
     hits_b = pool.hits
     c = Sequence("c", pool, x + y + [13])
     print("4. chained keys: a = X+Y, b = Z+Y; block Y holds the same 4 tokens in both")
@@ -1117,7 +1131,7 @@ def swap_out(seq, host):
     """Copy every block of seq into new host blocks, contents included (one copy each)."""
     host_blocks = host.allocate_many(len(seq.block_table))
     for gpu_block, host_block in zip(seq.block_table, host_blocks):
-        host.write([host_block], 0, seq.allocator.read(gpu_block))
+        host.kv_cache.write_block(host_block, seq.allocator.read(gpu_block))
     return host_blocks
 
 
@@ -1125,9 +1139,12 @@ def swap_in(seq_id, tokens, host_blocks, host, gpu):
     """Copy host blocks back into new GPU blocks and rebuild the sequence over them."""
     gpu_blocks = gpu.allocate_many(len(host_blocks))
     for host_block, gpu_block in zip(host_blocks, gpu_blocks):
-        gpu.write([gpu_block], 0, host.read(host_block))
+        gpu.kv_cache.write_block(gpu_block, host.read(host_block))
         host.free(host_block)
-    return Sequence(seq_id, gpu)._attach(tokens, gpu_blocks)
+    seq = Sequence(seq_id, gpu)
+    seq.block_table.extend(gpu_blocks)
+    seq.tokens.extend(tokens)
+    return seq
 
 
 def lru_victim(last_step, exclude):
@@ -1154,7 +1171,7 @@ class Scheduler:
     def __init__(self, gpu, host, policy, check=False):
         if policy not in ("recompute", "swap"):
             raise ValueError(f"policy must be 'recompute' or 'swap', got {policy!r}")
-        if gpu.enable_caching:
+        if isinstance(gpu, PrefixCachingAllocator):
             # NOTE: with a prefix cache, a recomputed victim would find some of its blocks
             # cached (less to recompute) and a swapped-in one would need its keys rebuilt;
             # both are real, and both would blur what this part measures.

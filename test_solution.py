@@ -47,7 +47,7 @@ def test_allocate_until_empty_then_refuse():
     pool = BlockAllocator(3)
     blocks = [pool.allocate() for _ in range(3)]
     assert sorted(blocks) == [0, 1, 2] and pool.num_free == 0 and pool.num_used == 3
-    refused(pool.allocate, OutOfBlocksError, pool, [], match="all 3 blocks")
+    refused(pool.allocate, OutOfBlocksError, pool, [], match="need 1 free blocks, only 0 of 3")
     assert issubclass(OutOfBlocksError, MemoryError)
 
 
@@ -118,7 +118,7 @@ def test_allocate_many_takes_freed_blocks_last_in_first_out_then_fresh_ones():
     for block in (3, 1):
         pool.free(block)                              # the free list: [3, 1]
     assert blocks == [0, 1, 2, 3] and pool.allocate_many(3) == [1, 3, 4]
-    assert len(pool.kv_cache) == 5 * pool.block_size  # storage for blocks 0..4 only
+    assert pool.next_unused == 5                      # blocks 5..9 never handed out
 
 
 def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks():
@@ -133,13 +133,17 @@ def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks():
     assert scattered.read() == list(range(12)) and consecutive.read() == list(range(100, 106))
 
 
-def test_a_write_that_would_spill_out_of_its_blocks_is_refused():
+def test_a_write_that_would_spill_out_of_its_block_is_refused():
     pool = BlockAllocator(4, 4)
     blocks = pool.allocate_many(2)
-    refused(lambda: pool.write(blocks[:1], 2, [1, 2, 3]), ValueError, pool, [],
-            match="do not fit")
-    pool.write(blocks[:1], 2, [1, 2])
+    table = BlockTable(4, blocks[:1])
+    with pytest.raises(IndexError, match="outside"):
+        table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
+    refused(lambda: pool.kv_cache.write_block(blocks[0], [1, 2, 3, 4, 5]), ValueError, pool,
+            [], match="do not fit")
+    pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
     assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
+    assert pool.kv_cache.slots == {2: 1, 3: 2}        # slot = block * block_size + offset
 
 
 def test_an_empty_sequence_takes_no_blocks():
@@ -156,6 +160,8 @@ def test_block_table_slot_worked_example():
     table = BlockTable(16, [7, 2])
     assert list(table) == [7, 2] and len(table) == 2 and table[1] == 2
     assert table.slot(0) == (7, 0) and table.slot(17) == (2, 1) and table.slot(31) == (2, 15)
+    assert BlockTable(4, [3, 0, 5]).slot_mapping(6, 9) == [2, 3, 20]  # the docstring's
+    assert table.slot_mapping(15, 18) == [7 * 16 + 15, 2 * 16, 2 * 16 + 1]
     for bad in (-1, 32, "3"):
         with pytest.raises(IndexError, match="outside"):
             table.slot(bad)
@@ -340,10 +346,10 @@ def test_check_invariants_names_each_broken_invariant():
     with pytest.raises(AssertionError, match="ref-count != block-table references"):
         check_invariants(pool, [a, b])
     pool.ref_cnt[a.block_table[0]] -= 1
-    pool.write(a.block_table[1:2], 0, [77])           # a write that skipped copy-on-write
+    pool.kv_cache.write_block(a.block_table[1], [77])  # a write that skipped copy-on-write
     with pytest.raises(AssertionError, match="read-back"):
         check_invariants(pool, [a, b])
-    pool.write(a.block_table[1:2], 0, [4])
+    pool.kv_cache.write_block(a.block_table[1], [4])
     pool.free_block_ids.append(a.block_table[0])      # a block both used and free
     with pytest.raises(AssertionError, match="free list"):
         check_invariants(pool, [a, b])
@@ -355,7 +361,7 @@ def test_check_invariants_names_each_broken_invariant():
 
 def test_fuzz_notices_a_broken_copy_on_write(monkeypatch):
     # The randomized test is only worth running if it catches the classic bug.
-    monkeypatch.setattr(BlockAllocator, "writable", lambda self, block: True)
+    monkeypatch.setattr(BlockAllocator, "is_writable", lambda self, block: True)
     with pytest.raises(AssertionError):
         fuzz(BlockAllocator(12, 3), random.Random(0), 300)
 
@@ -425,7 +431,8 @@ def test_equal_blocks_after_a_different_history_never_match():
     a = Sequence("a", pool, [1, 2, 3, 4, 9, 9, 9, 9])
     b = Sequence("b", pool, [5, 6, 7, 8, 9, 9, 9, 9])
     assert pool.hits == 0 and set(a.block_table).isdisjoint(b.block_table)
-    assert hash_block_tokens(None, [9] * 4) != a.block_hashes[1] != b.block_hashes[1]
+    second = [pool.block_hash[seq.block_table[1]] for seq in (a, b)]
+    assert hash_block_tokens(None, [9] * 4) != second[0] != second[1]
     a.free()
     c = Sequence("c", pool, [9, 9, 9, 9])         # block 2 of a as a first block: no match
     assert pool.hits == 0 and c.read() == [9, 9, 9, 9]
@@ -455,7 +462,7 @@ def test_a_hit_refreshes_recency():
 def test_a_sequence_is_evicted_tail_first():
     pool = PrefixCachingAllocator(3, 2)
     a = Sequence("a", pool, [1, 1, 2, 2, 3, 3])     # 3 cached blocks
-    keys = list(a.block_hashes)
+    keys = [pool.block_hash[block] for block in a.block_table]
     a.free()                                        # tail first: the tail is the oldest
     Sequence("b", pool, [7, 7]).free()              # evicts one block: a's tail
     assert pool.evictions == 1
@@ -492,7 +499,7 @@ def test_fork_and_share_prefix_keep_copy_on_write_on_a_caching_pool():
     assert pool.num_copies == 1 and a.read() == list(range(6))
     c = share_prefix(a, "c", 5)
     c.extend([7, 7, 7])                            # fills c's copy of block 1: cached
-    assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and len(c.block_hashes) == 2
+    assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and c.block_table[1] in pool.block_hash
     check_invariants(pool, [a, b, c])
 
 
