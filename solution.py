@@ -514,14 +514,15 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     The model is a dict seq_id -> list of tokens. A refused operation (OutOfBlocksError)
     must leave a snapshot of the pool and every sequence unchanged. A small vocabulary and
     prompts cut from other sequences, live or freed, make shared and cached prefixes
-    common. Returns a Counter of what happened, so a test can tell the run exercised every
-    operation.
+    common. "raw share" takes a reference with pool.share, outside any sequence, appends,
+    then drops it. Returns a Counter of what happened, so a test can tell the run
+    exercised every operation.
     """
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     for step in range(num_ops):
         ids = sorted(live)
-        op = rng.choice(["create", "append", "extend", "fork", "share", "free"]
+        op = rng.choice(["create", "append", "extend", "fork", "share", "raw share", "free"]
                         if len(ids) > 0 else ["create"])
         if op in ("create", "fork", "share") and len(ids) >= max_live:
             op = "free"
@@ -541,6 +542,19 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
                 else:
                     target.extend(tokens)
                 model[target.seq_id] = model[target.seq_id] + tokens
+            elif op == "raw share" and len(target.block_table) > 0:
+                # A reference taken by pool.share, not through a sequence: the block's
+                # holder still reads it, so the next append must copy, not write.
+                tail = allocator.share(target.block_table[-1])
+                held = allocator.read(tail)
+                try:
+                    token = random_tokens(rng, 1, vocab)[0]
+                    target.append(token)
+                    model[target.seq_id] = model[target.seq_id] + [token]
+                finally:
+                    _expect(allocator.read(tail) == held, "copy-on-write: an append wrote "
+                            "into a block another holder can see")
+                    allocator.free(tail)
             elif op in ("fork", "share"):
                 n = len(target) if op == "fork" else rng.randint(0, len(target))
                 live[step] = target.fork(step) if op == "fork" else share_prefix(target, step, n)

@@ -359,6 +359,20 @@ def test_check_invariants_names_each_broken_invariant():
         check_invariants(pool, [a, b])
 
 
+def test_append_copies_after_a_raw_share_of_the_last_block():
+    # A reference taken by pool.share, outside any sequence, must make append copy,
+    # whatever the sequence did before (a cached "my tail is private" once went stale).
+    for prompt in ([1], [1, 2]):                       # the last block stays partly full
+        pool = BlockAllocator(4, 4)
+        a = Sequence("a", pool, prompt)
+        a.append(3)
+        tail = pool.share(a.block_table[-1])
+        seen = pool.read(tail)
+        a.append(4)
+        assert a.block_table[-1] != tail and pool.read(tail) == seen and pool.num_copies == 1
+        assert a.read() == prompt + [3, 4]
+
+
 def test_fuzz_notices_a_broken_copy_on_write(monkeypatch):
     # The randomized test is only worth running if it catches the classic bug.
     monkeypatch.setattr(BlockAllocator, "is_writable", lambda self, block: True)
@@ -372,7 +386,7 @@ def test_fuzz_notices_a_broken_copy_on_write(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_against_a_list_model(block_size, seed):
     counts = fuzz(BlockAllocator(12, block_size), random.Random(seed), 1000)
-    for op in ("create", "append", "extend", "fork", "share", "free", "refused"):
+    for op in ("create", "append", "extend", "fork", "share", "raw share", "free", "refused"):
         assert counts[op] > 0, f"the run never did {op}"
 
 
