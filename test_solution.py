@@ -139,8 +139,8 @@ def test_a_write_that_would_spill_out_of_its_block_is_refused():
     table = BlockTable(4, blocks[:1])
     with pytest.raises(IndexError, match="outside"):
         table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
-    refused(lambda: pool.kv_cache.write_block(blocks[0], [1, 2, 3, 4, 5]), ValueError, pool,
-            [], match="do not fit")
+    refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
+            [], match="3 tokens for 2 slots")
     pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
     assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
     assert pool.kv_cache.slots == {2: 1, 3: 2}        # slot = block * block_size + offset
@@ -346,10 +346,10 @@ def test_check_invariants_names_each_broken_invariant():
     with pytest.raises(AssertionError, match="ref-count != block-table references"):
         check_invariants(pool, [a, b])
     pool.ref_cnt[a.block_table[0]] -= 1
-    pool.kv_cache.write_block(a.block_table[1], [77])  # a write that skipped copy-on-write
+    pool.kv_cache.write([a.block_table[1] * 4], [77])  # a write that skipped copy-on-write
     with pytest.raises(AssertionError, match="read-back"):
         check_invariants(pool, [a, b])
-    pool.kv_cache.write_block(a.block_table[1], [4])
+    pool.kv_cache.write([a.block_table[1] * 4], [4])
     pool.free_block_ids.append(a.block_table[0])      # a block both used and free
     with pytest.raises(AssertionError, match="free list"):
         check_invariants(pool, [a, b])
@@ -763,12 +763,14 @@ def test_sweep_workloads_are_seeded_and_overflow_their_budget():
 def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(capsys):
     demo_bench(pools=(100, 200), repeats=1)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("== bench") and len(lines) == 13 + 2  # a row per pool in 3.
+    assert lines[0].startswith("== bench") and len(lines) == 16 + 2  # a row per pool in 3.
     for label in ("append, per token", "allocate + free", "fork + free", "cache admission, hit",
                   "cache admission, miss", "Sequence.append", "scan / free list", "idle pool"):
         assert any(label in line for line in lines), label
-    assert sum(line.endswith("x") for line in lines) == 5 + 2  # the ratios of 1. and 3.
-    assert any(line.endswith("x (target <= 3x)") for line in lines)
+    assert sum(line.endswith("x") for line in lines) == 6 + 2  # the ratios of 1. and 3.
+    assert any(line.endswith("x (target <= 5x)") for line in lines)
+    assert any("x plain append (target <= 2x" in line for line in lines)
+    assert any("largest/smallest <= 1.3x" in line for line in lines)
 
 
 def test_the_scanning_allocator_finds_the_first_free_block():
