@@ -557,43 +557,48 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     return counts
 
 
-def check_block_boundary():
-    """block boundary: a new block exactly when the last is full (sizes 1, 3, 16)"""
-    for block_size in (1, 3, 16):
-        seq = Sequence("s", BlockAllocator(64, block_size))
-        for n in range(1, 3 * block_size + 2):
+def check_block_boundary(block_size, seed):
+    """A new block exactly when the last one is full."""
+    sizes = sorted({1, 3, block_size})
+    for size in sizes:
+        seq = Sequence("s", BlockAllocator(64, size))
+        for n in range(1, 3 * size + 2):
             seq.append(n)
-            _expect(len(seq.block_table) == cdiv(n, block_size),
-                    f"block boundary: {n} tokens at block_size {block_size} hold "
-                    f"{len(seq.block_table)} blocks")
+            _expect(len(seq.block_table) == cdiv(n, size), f"block boundary: {n} tokens at "
+                    f"block_size {size} hold {len(seq.block_table)} blocks")
+    return f"block boundary: a new block exactly when the last is full (sizes " \
+           f"{', '.join(map(str, sizes))})"
 
 
-def check_free_shared():
-    """freeing a shared block: it stays allocated for the other holder"""
-    pool = BlockAllocator(4)
-    a = Sequence("a", pool, range(20))
+def check_free_shared(block_size, seed):
+    """Freeing a shared block keeps it for the other holder."""
+    pool, n = BlockAllocator(4, block_size), block_size + max(1, block_size // 4)
+    a = Sequence("a", pool, range(n))  # a full block and a partly full one (size > 1)
     b = a.fork("b")
     a.free()
-    _expect(pool.num_used == 2 and b.read() == list(range(20)), "freeing a shared block lost it")
+    _expect(pool.num_used == 2 and b.read() == list(range(n)), "freeing a shared block lost it")
     b.free()
     _expect(pool.num_free == pool.num_blocks, "the last free did not return the blocks")
+    return "freeing a shared block: it stays allocated for the other holder"
 
 
-def check_counting():
-    """counting blocks: physical blocks shared by three sequences count once"""
-    pool = BlockAllocator(16)
-    a = Sequence("a", pool, range(40))  # 3 blocks, the last one partly full
-    b, c = a.fork("b"), share_prefix(a, "c", 32)
+def check_counting(block_size, seed):
+    """Physical blocks shared by three sequences count once."""
+    pool = BlockAllocator(16, block_size)
+    a = Sequence("a", pool, range(2 * block_size + max(1, block_size // 2)))  # 3 blocks
+    b, c = a.fork("b"), share_prefix(a, "c", 2 * block_size)
     _expect(pool.num_used == 3, f"3 shared blocks counted as {pool.num_used}")
     check_invariants(pool, [a, b, c])
+    return "counting blocks: physical blocks shared by three sequences count once"
 
 
-def check_refused_changes_nothing():
-    """a refused prompt, extend or copy-on-write changes nothing"""
-    pool = BlockAllocator(3, 4)
-    a = Sequence("a", pool, range(10))  # 3 blocks: the pool is full
+def check_refused_changes_nothing(block_size, seed):
+    """A refused prompt, extend or copy-on-write changes nothing."""
+    pool = BlockAllocator(3, block_size)
+    a = Sequence("a", pool, range(2 * block_size + 1))  # 3 blocks: the pool is full
     b = a.fork("b")
-    attempts = [lambda: Sequence("c", pool, [1]), lambda: a.extend(range(5)), lambda: b.append(7)]
+    attempts = [lambda: Sequence("c", pool, [1]), lambda: a.extend(range(block_size + 1)),
+                lambda: b.append(7)]
     for attempt in attempts:
         before = snapshot(pool, [a, b])
         try:
@@ -602,35 +607,57 @@ def check_refused_changes_nothing():
             _expect(snapshot(pool, [a, b]) == before, "a refused call changed state")
         else:
             raise AssertionError("a call that cannot fit was not refused")
+    return "a refused prompt, extend or copy-on-write changes nothing"
 
 
-def check_random_ops():
-    """random operations vs a plain-list model, invariants after each (300)"""
-    for block_size, seed in ((1, 0), (3, 1), (16, 2)):
-        fuzz(BlockAllocator(12, block_size), random.Random(seed), 100)
+def check_random_ops(block_size, seed, num_ops=100):
+    """Random operations against a plain-list model."""
+    runs = [(size, seed + i) for i, size in enumerate(sorted({1, 3, block_size}))]
+    for size, run_seed in runs:
+        fuzz(BlockAllocator(12, size), random.Random(run_seed), num_ops)
+    return f"random operations vs a plain-list model, invariants after each " \
+           f"({num_ops * len(runs)})"
 
 
 CHECKS = [check_block_boundary, check_free_shared, check_counting,
           check_refused_changes_nothing, check_random_ops]
 
 
-def run_checks():
+def run_checks(block_size=BLOCK_SIZE, seed=None):
     print("== correctness checks ==")
     for check in CHECKS:
-        check()  # raises AssertionError, naming what broke
-        print(f"{check.__doc__:<76} ok")
+        label = check(block_size, 0 if seed is None else seed)  # raises AssertionError, naming what broke
+        print(f"{label:<76} ok")
 
 
 # ---------------------------------------------------------------------------------------
 # Part 5. Demos: why paging wins
 # ---------------------------------------------------------------------------------------
 
-POOL_BLOCKS = 4096  # blocks in the demo pool (65,536 token slots)
-MAX_LEN = 2048      # tokens  a request may grow to: what naive serving reserves
-ACTUAL_LEN = 768    # tokens  a request really reaches
-NUM_REQUESTS = 50   # requests sharing one system prompt
-SYSTEM_LEN = 1024   # tokens  of system prompt
-USER_LEN = 40       # tokens  of each request's own message
+POOL_TOKENS = 65_536  # tokens of KV in the demo pool (4096 blocks of 16)
+MAX_LEN = 2048        # tokens  a request may grow to: what naive serving reserves
+ACTUAL_LEN = 768      # tokens  a request really reaches
+NUM_REQUESTS = 50     # requests sharing one system prompt
+SYSTEM_LEN = 1024     # tokens  of system prompt
+USER_LEN = 40         # tokens  of each request's own message
+
+
+def knob_problems(block_size):
+    """What makes the lab's knobs unusable together with this block size (Part 5's here;
+    later parts add theirs in main): a list of sentences, empty when all is well."""
+    problems = []
+    if ACTUAL_LEN < 1:
+        problems.append(f"ACTUAL_LEN must be >= 1 (got {ACTUAL_LEN})")
+    if MAX_LEN < ACTUAL_LEN:
+        problems.append(f"MAX_LEN must be >= ACTUAL_LEN (got {MAX_LEN} < {ACTUAL_LEN})")
+    if cdiv(MAX_LEN, block_size) > POOL_TOKENS // block_size:
+        problems.append(f"POOL_TOKENS must hold one MAX_LEN request at block size {block_size}")
+    if min(NUM_REQUESTS, SYSTEM_LEN) < 1 or USER_LEN < 0:
+        problems.append("NUM_REQUESTS and SYSTEM_LEN must be >= 1, USER_LEN >= 0")
+    elif NUM_REQUESTS * cdiv(SYSTEM_LEN + USER_LEN, block_size) > POOL_TOKENS // block_size:
+        problems.append(f"POOL_TOKENS must hold NUM_REQUESTS requests of SYSTEM_LEN + "
+                        f"USER_LEN tokens unshared at block size {block_size}")
+    return problems
 
 
 def admit_until_full(admit, limit=None):
@@ -655,18 +682,25 @@ def reserve_max_len(allocator, tokens, max_len):
 
 def written_share(allocator):
     """Share of the in-use slots that hold a token (in a fresh pool, None = never written)."""
-    in_use = [allocator.read(block) for block in allocator.ref_cnt]
-    written = sum(slot is not None for slots in in_use for slot in slots)
-    return written / (len(in_use) * allocator.block_size)
+    slots = [slot for block in allocator.ref_cnt for slot in allocator.kv_cache.block_slots(block)]
+    return sum(map(allocator.kv_cache.slots.__contains__, slots)) / len(slots)
 
 
-def demo_memory():
-    rng = random.Random(0)
-    naive_pool, paged_pool = BlockAllocator(POOL_BLOCKS), BlockAllocator(POOL_BLOCKS)
+def rounding_note(block_size, **lengths):
+    """A sentence naming the lengths that block_size does not divide ("" if it divides all)."""
+    uneven = [f"{name}={n} ({cdiv(n, block_size)} blocks, {cdiv(n, block_size) * block_size} "
+              f"slots)" for name, n in lengths.items() if n % block_size != 0]
+    return f"block size {block_size} does not divide {', '.join(uneven)}" if uneven else ""
+
+
+def demo_memory(block_size=BLOCK_SIZE, seed=None):
+    rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
+    naive_pool = BlockAllocator(num_blocks, block_size)
+    paged_pool = BlockAllocator(num_blocks, block_size)
     request = random_tokens(rng, ACTUAL_LEN)
     naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
     paged = admit_until_full(lambda i: Sequence(i, paged_pool, request))
-    print(f"== memory efficiency: sequences that fit in a {POOL_BLOCKS}-block pool ==")
+    print(f"== memory efficiency: sequences that fit in a {num_blocks}-block pool ==")
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
@@ -674,8 +708,12 @@ def demo_memory():
     print(f"slots in use that hold a token: naive {naive_written:.1%} "
           f"({1 - naive_written:.1%} reserved, never written), paged {paged_written:.1%}")
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} "
-          f"(a request needs {cdiv(ACTUAL_LEN, paged_pool.block_size)} blocks paged, "
-          f"{cdiv(MAX_LEN, naive_pool.block_size)} naive)")
+          f"(a request needs {cdiv(ACTUAL_LEN, block_size)} blocks paged, "
+          f"{cdiv(MAX_LEN, block_size)} naive)")
+    note = rounding_note(block_size, POOL_TOKENS=POOL_TOKENS, MAX_LEN=MAX_LEN,
+                         ACTUAL_LEN=ACTUAL_LEN)
+    if note != "":
+        print(f"({note}: the counts differ from the 16-token default's)")
 
 
 def block_map(allocator, sequences):
@@ -685,11 +723,11 @@ def block_map(allocator, sequences):
         for seq in sequences]
 
 
-def admit_system_prompt_requests(pool, share):
+def admit_system_prompt_requests(pool, share, seed=1):
     """Admit NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN
     tokens of their own; with share, through share_prefix of one system sequence.
     Returns the pool."""
-    rng = random.Random(1)
+    rng = random.Random(seed)
     system = random_tokens(rng, SYSTEM_LEN)
     users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
     if share:
@@ -703,36 +741,48 @@ def admit_system_prompt_requests(pool, share):
     return pool
 
 
-def demo_sharing():
-    alone = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=False)
-    shared = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=True)
+def demo_sharing(block_size=BLOCK_SIZE, seed=None):
+    num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
+    alone = admit_system_prompt_requests(BlockAllocator(num_blocks, block_size), False, seed)
+    shared = admit_system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
     print(f"== prefix sharing: {NUM_REQUESTS} requests, shared {SYSTEM_LEN}-token system prompt ==")
     print(f"without sharing : {alone.num_used:>5} blocks used")
     print(f"with sharing    : {shared.num_used:>5} blocks used   "
           f"({alone.num_used / shared.num_used:.1f}x less; shared prefix stored once)")
-    demo_cow()
+    note = rounding_note(block_size, SYSTEM_LEN=SYSTEM_LEN, USER_LEN=USER_LEN)
+    if note != "" and block_size != BLOCK_SIZE:
+        print(f"({note}: partly empty last blocks change the ratio)")
+    demo_cow(block_size)
 
 
-def demo_cow():
-    pool = BlockAllocator(8)
-    a = Sequence("a", pool, range(20))  # 16 tokens in block 0, 4 in block 1
+def demo_cow(block_size=BLOCK_SIZE):
+    pool, n = BlockAllocator(8, block_size), block_size + max(1, block_size // 4)
+    a = Sequence("a", pool, range(n))  # one full block and a partly full one (size > 1)
     b = a.fork("b")
     before = block_map(pool, [a, b])
     b.append(99)
-    forked = b.block_table[-1] != a.block_table[-1] and pool.num_copies == 1
-    reads_ok = a.read() == list(range(20)) and b.read() == list(range(20)) + [99]
-    refs = [pool.refcount(x) for x in (a.block_table[0], a.block_table[1], b.block_table[1])]
-    refs_ok = refs == [2, 1, 1]
-    print(f"copy-on-write   : divergence {'forked block' if forked else 'WROTE IN PLACE'}; "
-          f"refcounts {'correct' if refs_ok else f'WRONG {refs}'}"
-          f"{'' if reads_ok else '; READS WRONG'}")
-    _expect(forked and refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
+    reads_ok = a.read() == list(range(n)) and b.read() == list(range(n)) + [99]
+    tail_full = n % block_size == 0
+    if tail_full:  # block size 1: there is no partly full block to copy
+        refs_ok = pool.num_copies == 0 and b.block_table[:-1] == a.block_table
+        print(f"copy-on-write   : at block size {block_size} every block is full, so b's "
+              f"append takes a new block and nothing is copied ({pool.num_copies} copies)")
+        _expect(refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
+    else:
+        forked = b.block_table[-1] != a.block_table[-1] and pool.num_copies == 1
+        refs = [pool.refcount(x) for x in (a.block_table[0], a.block_table[1], b.block_table[1])]
+        refs_ok = refs == [2, 1, 1]
+        print(f"copy-on-write   : divergence {'forked block' if forked else 'WROTE IN PLACE'}; "
+              f"refcounts {'correct' if refs_ok else f'WRONG {refs}'}"
+              f"{'' if reads_ok else '; READS WRONG'}")
+        _expect(forked and refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
     check_invariants(pool, [a, b])
-    print("  a holds 20 tokens; b = a.fork('b'): both tables point at the same blocks "
+    print(f"  a holds {n} tokens; b = a.fork('b'): both tables point at the same blocks "
           "[block:ref-count]")
     print("\n".join(before))
-    print(f"  b.append(99) must not write into block {a.block_table[1]}, which a still reads:"
-          f" b copies it to block {b.block_table[1]} first")
+    if not tail_full:
+        print(f"  b.append(99) must not write into block {a.block_table[-1]}, which a still "
+              f"reads: b copies it to block {b.block_table[-1]} first")
     print("\n".join(block_map(pool, [a, b])))
 
 
@@ -942,17 +992,23 @@ class PrefixCachingAllocator(BlockAllocator):
         return block
 
 
-def demo_cache():
+CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with
+CACHE_POOLS = (8192, 4096, 2048, 1024)  # tokens of KV in the "under pressure" pools
+
+
+def demo_cache(block_size=BLOCK_SIZE, seed=None):
     print("== cache: automatic prefix caching (hash-chained full blocks, LRU eviction) ==")
-    cache_same_blocks_as_sharing()
-    cache_multi_turn()
-    cache_under_pressure()
-    cache_chained_keys()
+    cache_same_blocks_as_sharing(block_size, 1 if seed is None else seed)
+    cache_multi_turn(block_size, 3 if seed is None else seed)
+    cache_under_pressure(block_size, 4 if seed is None else seed)
+    cache_chained_hashes(block_size)
 
 
-def cache_same_blocks_as_sharing():
-    explicit = admit_system_prompt_requests(BlockAllocator(POOL_BLOCKS), share=True)
-    cached = admit_system_prompt_requests(PrefixCachingAllocator(POOL_BLOCKS), share=False)
+def cache_same_blocks_as_sharing(block_size, seed):
+    num_blocks = POOL_TOKENS // block_size
+    explicit = admit_system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
+    cached = admit_system_prompt_requests(PrefixCachingAllocator(num_blocks, block_size),
+                                          False, seed)
     print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
     print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
     print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
@@ -960,9 +1016,9 @@ def cache_same_blocks_as_sharing():
           f"prompt blocks)")
 
 
-def cache_multi_turn():
-    rng = random.Random(3)
-    pool = PrefixCachingAllocator(64)
+def cache_multi_turn(block_size, seed):
+    rng = random.Random(seed)
+    pool = PrefixCachingAllocator(1024 // block_size, block_size)
     prompt, answer = random_tokens(rng, 200), random_tokens(rng, 100)
     turn1 = Sequence("turn 1", pool, prompt)  # system prompt + question
     for token in answer:                      # the answer, decoded
@@ -971,22 +1027,18 @@ def cache_multi_turn():
     turn1.free()
     print(f"2. multi-turn chat: turn 1 = {len(prompt)}-token prompt + {len(answer)}-token "
           f"answer in {len(blocks1)} blocks, then freed")
-    partial = "not cached" if blocks1[-1] not in pool.block_hash else "CACHED"
-    print(f"   live sequences: 0; cached, evictable blocks: {pool.num_cached}; "
-          f"the partial last block: {partial}")
+    last = ("the partial last block: not cached" if blocks1[-1] not in pool.block_hash
+            else "the last block is full: cached")
+    print(f"   live sequences: 0; cached, evictable blocks: {pool.num_cached}; {last}")
     hits_before = pool.hits
     question = random_tokens(rng, 30)
     turn2 = Sequence("turn 2", pool, history + question)
     reused = turn2.block_table[:pool.hits - hits_before]
     same = "the same physical blocks" if reused == blocks1[:len(reused)] else "OTHER BLOCKS"
     print(f"   turn 2 = turn 1 + answer + {len(question)} new tokens = {len(turn2)} tokens: "
-          f"{len(reused)} of its {len(turn2) // pool.block_size} full blocks from the cache")
-    print(f"   ({same} as turn 1: {len(reused) * pool.block_size} tokens not prefilled "
-          f"again)")
+          f"{len(reused)} of its {len(turn2) // block_size} full blocks from the cache")
+    print(f"   ({same} as turn 1: {len(reused) * block_size} tokens not prefilled again)")
     check_invariants(pool, [turn2])
-
-
-CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with
 
 
 def chat_stream(num_conversations=12, num_turns=4, seed=4):
@@ -1014,39 +1066,40 @@ def serve_stream(pool, stream):
         seq.free()
 
 
-def cache_under_pressure():
-    stream = chat_stream()
-    print(f"3. under pressure: {len(stream)} chat requests (12 conversations x 4 turns, "
-          f"round robin), one at a time")
+def cache_under_pressure(block_size, seed, conversations=12, turns=4):
+    stream = chat_stream(conversations, turns, seed)
+    print(f"3. under pressure: {len(stream)} chat requests ({conversations} conversations x "
+          f"{turns} turns, round robin), one at a time")
     print("   pool blocks   hit rate    hits   evictions   cached at end")
     rows = []
-    for num_blocks in (512, 256, 128, 64):
-        pool = PrefixCachingAllocator(num_blocks)
+    for tokens in CACHE_POOLS:
+        pool = PrefixCachingAllocator(tokens // block_size, block_size)
         serve_stream(pool, stream)
-        rows.append((num_blocks, pool.hit_rate, pool.hits, pool.num_cached))
-        print(f"   {num_blocks:>11}   {pool.hit_rate:>8.1%}   {pool.hits:>5}   "
+        rows.append((pool.num_blocks, pool.hit_rate, pool.hits, pool.num_cached))
+        print(f"   {pool.num_blocks:>11}   {pool.hit_rate:>8.1%}   {pool.hits:>5}   "
               f"{pool.evictions:>9}   {pool.num_cached:>13}")
     roomy, tight = rows[0], rows[-1]
-    system_hits = (len(stream) - 1) * (CHAT_SYSTEM_LEN // BLOCK_SIZE)  # every later request
-    floor = ("only the system prompt still hits"
-             if tight[2] == system_hits else f"{tight[2]} blocks still hit")
+    system_hits = (len(stream) - 1) * (CHAT_SYSTEM_LEN // block_size)  # every later request
+    floor = ("only the system prompt still hits" if tight[2] == system_hits > 0
+             else f"{tight[2]} blocks still hit")
     print(f"   conclusion: room for the working set ({roomy[3]} blocks) reuses {roomy[1]:.0%} "
           f"of prompt blocks; at {tight[0]}")
     print(f"   blocks LRU evicts each history before its next turn: {floor} ({tight[1]:.0%})")
 
 
-def cache_chained_keys():
-    pool = PrefixCachingAllocator(16, 4)
-    x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+def cache_chained_hashes(block_size):
+    pool = PrefixCachingAllocator(16, block_size)
+    x, y, z = (list(range(k * block_size + 1, (k + 1) * block_size + 1)) for k in range(3))
     a = Sequence("a", pool, x + y)
     b = Sequence("b", pool, z + y)  # the same block of tokens y, after another history
-    alone = "equal" if hash_block_tokens(None, a.tokens[4:]) == hash_block_tokens(
-        None, b.tokens[4:]) else "different"
+    alone = "equal" if hash_block_tokens(None, a.tokens[block_size:]) == hash_block_tokens(
+        None, b.tokens[block_size:]) else "different"
     chained = "EQUAL" if pool.block_hash[a.block_table[1]] == pool.block_hash[
         b.block_table[1]] else "different"
     hits_b = pool.hits
-    c = Sequence("c", pool, x + y + [13])
-    print("4. chained hashes: a = X+Y, b = Z+Y; block Y holds the same 4 tokens in both")
+    c = Sequence("c", pool, x + y + [3 * block_size + 1])
+    print(f"4. chained hashes: a = X+Y, b = Z+Y; block Y holds the same {block_size} tokens "
+          f"in both")
     print(f"   hash of Y's tokens alone: {alone} -> a per-block cache would give b a's "
           f"block (KV made after X)")
     print(f"   chained hash of Y       : {chained} -> a {list(a.block_table)}, "
@@ -1168,16 +1221,24 @@ class Scheduler:
     Policy lives here (whom to preempt, when to resume); mechanism lives in the pools and
     in swap_out / swap_in. Every step: resume preempted requests (oldest first) while they
     fit, then admit new ones, then give every running request one token, oldest first.
+    It always terminates: run refuses up front a request that could never finish, and
+    raises if a step could change nothing.
     """
 
     def __init__(self, gpu, host, policy, check=False):
         if policy not in ("recompute", "swap"):
             raise ValueError(f"policy must be 'recompute' or 'swap', got {policy!r}")
-        if isinstance(gpu, PrefixCachingAllocator):
+        if not isinstance(gpu, BlockAllocator) or isinstance(gpu, PrefixCachingAllocator):
             # NOTE: with a prefix cache, a recomputed victim would find some of its blocks
             # cached (less to recompute) and a swapped-in one would need its hashes rebuilt;
             # both are real, and both would blur what this part measures.
             raise ValueError("the scheduler runs on a plain BlockAllocator, not a prefix cache")
+        if policy == "swap" and host is None:
+            raise ValueError("policy 'swap' needs a host pool (host is None)")
+        if host is not None and (not isinstance(host, BlockAllocator)
+                                 or host.block_size != gpu.block_size):
+            raise ValueError(f"the host pool must be a BlockAllocator of the GPU pool's block "
+                             f"size {gpu.block_size}: blocks move whole")
         self.gpu, self.host, self.policy, self.check = gpu, host, policy, check
         self.running = {}     # req_id -> Sequence
         self.last_step = {}   # req_id -> step it last got a token (the LRU clock)
@@ -1185,36 +1246,69 @@ class Scheduler:
         self.finished = {}    # req_id -> tokens read back through its block table
         self.stats = PreemptionStats()
 
-    def run(self, requests):
-        for request in requests:
-            need = cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size)
-            if need > self.gpu.num_blocks:
-                raise ValueError(f"request {request.req_id} can never fit in the GPU pool")
+    def run(self, requests, max_steps=None):
+        """Serve requests until every one finishes; return req_id -> its tokens."""
+        self._refuse_what_cannot_run(requests)
         pending = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))
         final_len = {request.req_id: len(request.prompt) + request.max_tokens
                      for request in requests}
         waiting, step = deque(), 0  # arrived, not yet admitted: first come, first served
         while len(pending) + len(waiting) + len(self.running) + len(self.preempted) > 0:
+            if len(waiting) + len(self.running) + len(self.preempted) == 0:
+                step = max(step, pending[0].arrival)  # idle until the next arrival: skip
             while len(pending) > 0 and pending[0].arrival <= step:
                 waiting.append(pending.popleft())
-            self._resume(step)
-            self._admit(waiting, step)
-            self._decode(final_len, step)
+            progress = (self._resume(step) + self._admit(waiting, step)
+                        + self._decode(final_len, step))
+            if progress == 0:
+                raise RuntimeError(f"step {step}: no request can resume, be admitted or "
+                                   f"decode ({len(waiting)} waiting, {len(self.preempted)} "
+                                   f"preempted)")
             step += 1
+            if max_steps is not None and step >= max_steps:
+                raise RuntimeError(f"still running after max_steps={max_steps} steps")
         self.stats.steps = step
         return self.finished
 
+    def _margin(self):
+        # NOTE: vLLM's admission margin (its "watermark"): admit or resume only if 1% of
+        # the pool (at least one block) stays free afterwards, so running sequences can
+        # still grow for a while; else a newcomer is often preempted at its next boundary.
+        return max(1, self.gpu.num_blocks // 100)
+
     def _fits(self, num_blocks):
-        # NOTE: vLLM's admission margin: admit or resume only if 1% of the pool (at least one
-        # block) stays free afterwards, so running sequences can still grow for a while;
-        # otherwise a newcomer is often preempted again at its next block boundary.
-        return self.gpu.num_free - num_blocks >= max(1, self.gpu.num_blocks // 100)
+        return self.gpu.num_free - num_blocks >= self._margin()
+
+    def _refuse_what_cannot_run(self, requests):
+        """ValueError or TypeError, naming the request, before anything changes."""
+        seen = set()
+        for request in requests:
+            if not isinstance(request, Request):
+                raise TypeError(f"requests must be Request objects, got {request!r}")
+            name = f"request {request.req_id!r}"
+            if request.req_id in seen:
+                raise ValueError(f"{name}: duplicate req_id")
+            seen.add(request.req_id)
+            for field in ("max_tokens", "arrival"):
+                value = getattr(request, field)
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"{name}: {field} must be an int >= 0, got {value!r}")
+            try:
+                check_tokens(request.prompt)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{name}: {error}") from None
+            need = cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size)
+            if need + self._margin() > self.gpu.num_blocks:
+                raise ValueError(f"{name} can never run: it needs {need} blocks, and the "
+                                 f"{self.gpu.num_blocks}-block GPU pool admits only while "
+                                 f"{self._margin()} stay free")
 
     def _resume(self, step):
+        resumed = 0
         for req_id in sorted(self.preempted):
             waiting = self.preempted[req_id]
             if not self._fits(cdiv(len(waiting.tokens), self.gpu.block_size)):
-                return  # strictly oldest first: nobody overtakes a preempted request
+                break  # strictly oldest first: nobody overtakes a preempted request
             del self.preempted[req_id]
             if waiting.host_blocks is None:
                 seq = Sequence(req_id, self.gpu, waiting.tokens)
@@ -1223,30 +1317,45 @@ class Scheduler:
                 seq = swap_in(req_id, waiting.tokens, waiting.host_blocks, self.host, self.gpu)
                 self.stats.swapped_in_blocks += len(waiting.host_blocks)
             self.running[req_id], self.last_step[req_id] = seq, step
+            resumed += 1
+        return resumed
 
     def _admit(self, waiting, step):
+        admitted = 0
         while len(self.preempted) == 0 and len(waiting) > 0 and self._fits(
                 cdiv(len(waiting[0].prompt), self.gpu.block_size)):
             request = waiting.popleft()
-            self.running[request.req_id] = Sequence(request.req_id, self.gpu, request.prompt)
-            self.last_step[request.req_id] = step
+            seq = Sequence(request.req_id, self.gpu, request.prompt)
+            if request.max_tokens == 0:  # nothing to generate: done with its prompt
+                self.finished[request.req_id] = seq.read()
+                seq.free()
+            else:
+                self.running[request.req_id], self.last_step[request.req_id] = seq, step
+            admitted += 1
+        return admitted
 
     def _decode(self, final_len, step):
+        decoded = 0
         for req_id in sorted(self.running):
             seq = self.running.get(req_id)
             if seq is None:
                 continue  # preempted earlier in this step
             position = len(seq)
             while not self._append(seq, next_token(req_id, position)):
-                # There is always a victim: a request running alone fits (run checked it).
+                if len(self.running) == 1:  # run's checks make this unreachable
+                    raise RuntimeError(f"request {req_id} cannot grow, and nobody is left "
+                                       f"to preempt")
                 self._preempt(lru_victim(self.last_step, exclude=req_id))
             self.last_step[req_id] = step
+            decoded += 1
             if position + 1 == final_len[req_id]:
                 self.finished[req_id] = seq.read()
                 self._retire(req_id).free()
         if self.check:
             check_invariants(self.gpu, self.running.values())
-            audit(self.host)
+            if self.host is not None:
+                audit(self.host)
+        return decoded
 
     def _append(self, seq, token):
         try:
