@@ -70,6 +70,7 @@ import itertools
 import math
 import pickle
 import random
+import textwrap
 import time
 import tracemalloc
 from collections import Counter, OrderedDict, deque
@@ -687,10 +688,14 @@ def written_share(allocator):
 
 
 def rounding_note(block_size, **lengths):
-    """A sentence naming the lengths that block_size does not divide ("" if it divides all)."""
-    uneven = [f"{name}={n} ({cdiv(n, block_size)} blocks, {cdiv(n, block_size) * block_size} "
-              f"slots)" for name, n in lengths.items() if n % block_size != 0]
-    return f"block size {block_size} does not divide {', '.join(uneven)}" if uneven else ""
+    """Lines saying which lengths block_size does not divide, so that counts differ from the
+    default block size's (none at the default, or when it divides them all)."""
+    uneven = [f"{name}={n} takes {cdiv(n, block_size)} blocks ({cdiv(n, block_size) * block_size}"
+              f" slots)" for name, n in lengths.items() if n % block_size != 0]
+    if len(uneven) == 0 or block_size == BLOCK_SIZE:
+        return []
+    return textwrap.wrap(f"(at block size {block_size}, {'; '.join(uneven)}: the numbers "
+                         f"differ from block size {BLOCK_SIZE}'s)", 96)
 
 
 def demo_memory(block_size=BLOCK_SIZE, seed=None):
@@ -710,10 +715,8 @@ def demo_memory(block_size=BLOCK_SIZE, seed=None):
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} "
           f"(a request needs {cdiv(ACTUAL_LEN, block_size)} blocks paged, "
           f"{cdiv(MAX_LEN, block_size)} naive)")
-    note = rounding_note(block_size, POOL_TOKENS=POOL_TOKENS, MAX_LEN=MAX_LEN,
-                         ACTUAL_LEN=ACTUAL_LEN)
-    if note != "":
-        print(f"({note}: the counts differ from the 16-token default's)")
+    for line in rounding_note(block_size, MAX_LEN=MAX_LEN, ACTUAL_LEN=ACTUAL_LEN):
+        print(line)
 
 
 def block_map(allocator, sequences):
@@ -749,9 +752,8 @@ def demo_sharing(block_size=BLOCK_SIZE, seed=None):
     print(f"without sharing : {alone.num_used:>5} blocks used")
     print(f"with sharing    : {shared.num_used:>5} blocks used   "
           f"({alone.num_used / shared.num_used:.1f}x less; shared prefix stored once)")
-    note = rounding_note(block_size, SYSTEM_LEN=SYSTEM_LEN, USER_LEN=USER_LEN)
-    if note != "" and block_size != BLOCK_SIZE:
-        print(f"({note}: partly empty last blocks change the ratio)")
+    for line in rounding_note(block_size, SYSTEM_LEN=SYSTEM_LEN, USER_LEN=USER_LEN):
+        print(line)
     demo_cow(block_size)
 
 
@@ -766,7 +768,8 @@ def demo_cow(block_size=BLOCK_SIZE):
     if tail_full:  # block size 1: there is no partly full block to copy
         refs_ok = pool.num_copies == 0 and b.block_table[:-1] == a.block_table
         print(f"copy-on-write   : at block size {block_size} every block is full, so b's "
-              f"append takes a new block and nothing is copied ({pool.num_copies} copies)")
+              f"append takes a new block")
+        print(f"                  and nothing is copied ({pool.num_copies} copies)")
         _expect(refs_ok and reads_ok, "copy-on-write demo failed (see the line above)")
     else:
         forked = b.block_table[-1] != a.block_table[-1] and pool.num_copies == 1
@@ -994,6 +997,16 @@ class PrefixCachingAllocator(BlockAllocator):
 
 CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with
 CACHE_POOLS = (8192, 4096, 2048, 1024)  # tokens of KV in the "under pressure" pools
+
+
+def cache_knob_problems(block_size):
+    longest = CHAT_SYSTEM_LEN + 4 * 40 + 4 * 60  # tokens of the longest chat request
+    if CHAT_SYSTEM_LEN < 0 or len(CACHE_POOLS) == 0:
+        return ["CHAT_SYSTEM_LEN must be >= 0 and CACHE_POOLS not empty"]
+    if min(CACHE_POOLS) // block_size < cdiv(longest, block_size):
+        return [f"every CACHE_POOLS size must hold a {longest}-token chat request at block "
+                f"size {block_size}"]
+    return []
 
 
 def demo_cache(block_size=BLOCK_SIZE, seed=None):
@@ -1391,6 +1404,20 @@ GPU_KV_TOKENS = 2048  # tokens of KV the GPU pool holds, whatever the block size
 HOST_KV_TOKENS = 512  # tokens of KV the host pool holds in part 1 of the demo
 
 
+def evict_knob_problems(block_size):
+    problems = []
+    gpu_blocks, largest = GPU_KV_TOKENS // block_size, 200 + 250  # tokens, see below
+    if cdiv(largest, block_size) + max(1, gpu_blocks // 100) > gpu_blocks:
+        problems.append(f"GPU_KV_TOKENS must hold a {largest}-token request and the 1% "
+                        f"margin at block size {block_size} (and at 256, for the sweep)")
+    if HOST_KV_TOKENS < block_size:
+        problems.append(f"HOST_KV_TOKENS must hold one block (>= {block_size} tokens)")
+    if min(NUM_LAYERS, HIDDEN_SIZE, PCIE_BYTES_PER_S, PREFILL_TOKENS_PER_S) <= 0 or \
+            TRANSFER_LATENCY_S < 0:
+        problems.append("the cost model's constants must be > 0 (TRANSFER_LATENCY_S >= 0)")
+    return problems
+
+
 def preemption_workload(seed=5, num_requests=16):
     """Requests arriving every other step: prompts of 16-200 tokens, 50-250 generated."""
     rng = random.Random(seed)
@@ -1411,22 +1438,22 @@ def run_policy(policy, block_size, requests, host_tokens=HOST_KV_TOKENS, check=F
     return scheduler.stats
 
 
-def demo_evict():
-    requests = preemption_workload()
+def demo_evict(block_size=BLOCK_SIZE, seed=None):
+    requests = preemption_workload(5 if seed is None else seed)
     print(f"== evict: preemption by recompute vs swap ({len(requests)} requests, "
           f"{GPU_KV_TOKENS}-token GPU pool) ==")
     print(f"cost model: {KV_BYTES_PER_TOKEN // 1024} KiB of KV per token (7B, fp16), "
           f"{PCIE_BYTES_PER_S / 1e9:.0f} GB/s, {TRANSFER_LATENCY_S * 1e6:.0f} us per copy, "
           f"prefill {PREFILL_TOKENS_PER_S:,} tokens/s")
-    print(f"1. block size {BLOCK_SIZE}, a {HOST_KV_TOKENS}-token host pool; every request ends "
+    print(f"1. block size {block_size}, a {HOST_KV_TOKENS}-token host pool; every request ends "
           f"with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps  recovery")
     for policy in ("recompute", "swap"):
-        stats = run_policy(policy, BLOCK_SIZE, requests)
+        stats = run_policy(policy, block_size, requests)
         swapped = f"{stats.swapped_out_blocks}/{stats.swapped_in_blocks}"
         print(f"   {policy:<10}  {stats.preemptions:>11}  {stats.recomputed_tokens:>10}  "
               f"{swapped:>14}  {stats.host_fallbacks:>9}  {stats.steps:>5}  "
-              f"{stats.recovery_seconds(BLOCK_SIZE) * 1e3:>6.1f} ms")
+              f"{stats.recovery_seconds(block_size) * 1e3:>6.1f} ms")
     rows = evict_sweep(requests)
     print_evict_sweep(rows)
     compare_with_paper(rows)
@@ -1507,6 +1534,16 @@ NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper
 BEAM_WIDTHS = (2, 4)     # beam widths k; the paper adds 6, which alone takes ~0.1 s here
 
 
+def beam_knob_problems():
+    widths = [*NUM_SAMPLES, *BEAM_WIDTHS]
+    if len(NUM_SAMPLES) == 0 or len(BEAM_WIDTHS) == 0 or \
+            not all(type(w) is int and w >= 1 for w in widths):
+        return ["NUM_SAMPLES and BEAM_WIDTHS must be non-empty tuples of ints >= 1"]
+    if not all(type(n) is int and n >= 0 for _, *lengths in (ALPACA, SHAREGPT) for n in lengths):
+        return ["ALPACA and SHAREGPT lengths must be ints >= 0"]
+    return []
+
+
 @dataclass
 class SharingRun:
     used: list        # blocks in use after the prompt and after every decoding step
@@ -1527,8 +1564,20 @@ def saving(shared, alone):
     return 1 - shared.mean / alone.mean
 
 
+def check_lengths(**values):
+    """Raise TypeError or ValueError naming the first value that is not an int >= its low
+    end (given as name=(value, low))."""
+    for name, (value, low) in values.items():
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+        if value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value}")
+
+
 def parallel_sampling(prompt_len, n, output_len, share=True, block_size=BLOCK_SIZE, seed=6):
     """n samples of one prompt, each decoding its own tokens; forks if share, else copies."""
+    check_lengths(prompt_len=(prompt_len, 0), n=(n, 1), output_len=(output_len, 0),
+                  block_size=(block_size, 1))
     rng = random.Random(seed)
     prompt = random_tokens(rng, prompt_len)
     outputs = [random_tokens(rng, output_len) for _ in range(n)]
@@ -1552,6 +1601,8 @@ def beam_search(prompt_len, width, output_len, share=True, block_size=BLOCK_SIZE
     proposes width candidates, the best width survive, a parent chosen by several
     survivors is forked, a parent chosen by none is freed. With check, every beam is
     compared with a plain-list history and every invariant is checked after every step."""
+    check_lengths(prompt_len=(prompt_len, 0), width=(width, 1), output_len=(output_len, 0),
+                  block_size=(block_size, 1))
     rng = random.Random(seed)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     prompt = random_tokens(rng, prompt_len)
@@ -1594,35 +1645,38 @@ def beam_search(prompt_len, width, output_len, share=True, block_size=BLOCK_SIZE
     return SharingRun(used, copies, picture)
 
 
-def demo_beam():
+def demo_beam(block_size=BLOCK_SIZE, seed=None):
     print("== beam: parallel sampling and beam search on forked sequences ==")
-    print(f"1. parallel sampling, block size {BLOCK_SIZE}: blocks in use, forked vs independent "
+    print(f"1. parallel sampling, block size {block_size}: blocks in use, forked vs independent "
           f"(saved: of the mean)")
-    sampled = beam_table(parallel_sampling, "n", NUM_SAMPLES)
-    rows = [(prompt_len, parallel_sampling(prompt_len, 4, 8)) for prompt_len in (100, 96)]
-    for prompt_len, run in rows:
-        mid_block = prompt_len % BLOCK_SIZE != 0
+    sampled = beam_table(parallel_sampling, "n", NUM_SAMPLES, block_size,
+                         6 if seed is None else seed)
+    samples = 4
+    for prompt_len in sorted({6 * block_size + max(1, block_size // 4), 6 * block_size},
+                             reverse=True):
+        run = parallel_sampling(prompt_len, samples, 8, block_size=block_size)
+        mid_block = prompt_len % block_size != 0
         where = "mid-block" if mid_block else "on a block boundary"
         why = " (every writer but the last)" if mid_block else ""
-        print(f"   prompt of {prompt_len} tokens ends {where}: 4 samples make {run.copies} "
-              f"copies{why}")
+        print(f"   prompt of {prompt_len} tokens ends {where}: {samples} samples make "
+              f"{run.copies} copies{why}")
     print("2. beam search with pruning, width k: blocks in use over the run")
-    beams = beam_table(beam_search, "k", BEAM_WIDTHS)
+    beams = beam_table(beam_search, "k", BEAM_WIDTHS, block_size, 7 if seed is None else seed)
     print("3. the beams after step 6 (prompt 10, width 4, block size 4), one row per beam id, "
           "[block:ref-count]")
     print("\n".join(beam_search(10, 4, 8, block_size=4, picture_step=6).picture))
     print_paper_comparison(sampled, beams)
 
 
-def beam_table(run, width_name, widths):
+def beam_table(run, width_name, widths, block_size, seed):
     """Run each workload at each width, forked and independent; print rows, return savings."""
     print(f"   workload        prompt  output  {width_name:>2}  copies   forked mean/peak  "
           f"independent mean/peak  saved")
     savings = {}
     for name, prompt_len, output_len in (ALPACA, SHAREGPT):
         for width in widths:
-            forked = run(prompt_len, width, output_len)
-            alone = run(prompt_len, width, output_len, share=False)
+            forked = run(prompt_len, width, output_len, True, block_size, seed)
+            alone = run(prompt_len, width, output_len, False, block_size, seed)
             savings.setdefault(name, []).append(saving(forked, alone))
             print(f"   {name:<14}  {prompt_len:>6}  {output_len:>6}  {width:>2}  "
                   f"{forked.copies:>6}  {forked.mean:>11.1f}/{forked.peak:<4}  "
@@ -1661,6 +1715,15 @@ SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TABLE_ENTRY_BYTES = 4        # bytes per block-table entry: int32, as in vLLM's block_tables
 SWEEP_SYSTEM_LEN = 501       # tokens of a shared system prompt: odd, so sizes > 1 split it
 MAX_FRAGMENTATION = 0.05     # the sweet spot's waste budget
+
+
+def sweep_knob_problems():
+    if len(SWEEP_SIZES) == 0 or not all(type(s) is int and s >= 1 for s in SWEEP_SIZES):
+        return ["SWEEP_SIZES must be a non-empty tuple of ints >= 1"]
+    if not 0 < MAX_FRAGMENTATION < 1 or TABLE_ENTRY_BYTES < 1 or SWEEP_SYSTEM_LEN < 1:
+        return ["MAX_FRAGMENTATION must be in (0, 1), TABLE_ENTRY_BYTES and "
+                "SWEEP_SYSTEM_LEN >= 1"]
+    return []
 
 
 @dataclass
@@ -1770,17 +1833,18 @@ def sweet_spot(rows, max_fragmentation=MAX_FRAGMENTATION):
     return best
 
 
-def demo_sweep():
+def demo_sweep(block_size=BLOCK_SIZE, seed=None):
     print("== sweep: block size against fragmentation, block-table size, capacity, "
           "prefix reuse ==")
     print(f"prefix reuse lost: share of a {SWEEP_SYSTEM_LEN:,}-token shared system prompt "
           f"that a prefix cache cannot reuse")
     print("   block  " + "".join(f"{size:>7}" for size in SWEEP_SIZES))
-    print("   lost   " + "".join(f"{prefix_reuse_lost(size):>7.1%}" for size in SWEEP_SIZES))
+    print("   lost   " + "".join(f"{prefix_reuse_lost(size, 10 if seed is None else seed):>7.1%}"
+                                 for size in SWEEP_SIZES))
     print(f"tables: {TABLE_ENTRY_BYTES}-byte entries; fit: sequences admitted into the "
           f"workload's KV budget")
     spots = {}
-    for workload in sweep_workloads():
+    for workload in sweep_workloads(8 if seed is None else seed):
         rows = [measure_block_size(workload, size) for size in SWEEP_SIZES]
         print_workload_lengths(workload)
         print_sweep_table(rows)
@@ -1855,12 +1919,12 @@ def best_seconds(make_run, repeats):
     return best
 
 
-def bench_append(num_blocks, num_tokens, pool_class=BlockAllocator):
+def bench_append(num_blocks, num_tokens, pool_class=BlockAllocator, block_size=BLOCK_SIZE):
     """Appends into a warm pool, whose blocks come back from the free list, as in a server
     that has run for a while (and as in the bare loop below). On a prefix-caching pool
     each block that fills is hashed and cached: the decode step of a served request."""
     def make_run():
-        pool, tokens = pool_class(num_blocks), list(range(num_tokens))
+        pool, tokens = pool_class(num_blocks, block_size), list(range(num_tokens))
         Sequence("warm-up", pool, tokens).free()
         seq = Sequence(0, pool)
         def run():
@@ -1903,9 +1967,9 @@ def bench_allocate_free(num_blocks, count):
     return make_run, count
 
 
-def bench_fork_free(num_blocks, seq_blocks, forks=20):
+def bench_fork_free(num_blocks, seq_blocks, forks=20, block_size=BLOCK_SIZE):
     def make_run():
-        seq = Sequence(0, BlockAllocator(num_blocks), range(seq_blocks * BLOCK_SIZE))
+        seq = Sequence(0, BlockAllocator(num_blocks, block_size), range(seq_blocks * block_size))
         def run():
             for i in range(forks):
                 seq.fork(i).free()
@@ -1913,14 +1977,14 @@ def bench_fork_free(num_blocks, seq_blocks, forks=20):
     return make_run, forks * seq_blocks
 
 
-def bench_cache_admission(num_blocks, prompt_blocks, prompts, hit):
+def bench_cache_admission(num_blocks, prompt_blocks, prompts, hit, block_size=BLOCK_SIZE):
     """Admit and free prompts on a prefix-caching pool: the same prompt every time (after a
     warm-up, every block a hit) or a new prompt every time (every block a miss)."""
     rng = random.Random(11)
-    texts = [random_tokens(rng, prompt_blocks * BLOCK_SIZE)
+    texts = [random_tokens(rng, prompt_blocks * block_size)
              for _ in range(1 if hit else prompts)]
     def make_run():
-        pool = PrefixCachingAllocator(num_blocks)
+        pool = PrefixCachingAllocator(num_blocks, block_size)
         Sequence("warm-up", pool, texts[0]).free()
         order = [texts[0]] * prompts if hit else texts
         def run():
@@ -1979,20 +2043,22 @@ def interleaved_ns_per_op(benches, repeats):
     return best
 
 
-def demo_bench(pools=BENCH_POOLS, repeats=BENCH_REPEATS):
+def demo_bench(block_size=BLOCK_SIZE, seed=None, pools=BENCH_POOLS, repeats=BENCH_REPEATS):
     print(f"== bench: cost per operation at pools of {', '.join(f'{n:,}' for n in pools)} "
           f"blocks (best of {repeats}) ==")
     smallest = pools[0]
     rows = [
-        ("append, per token", lambda n: bench_append(n, smallest * BLOCK_SIZE // 2)),
+        ("append, per token", lambda n: bench_append(
+            n, smallest * block_size // 2, BlockAllocator, block_size)),
         ("append, prefix-caching pool", lambda n: bench_append(
-            n, smallest * BLOCK_SIZE // 2, PrefixCachingAllocator)),
+            n, smallest * block_size // 2, PrefixCachingAllocator, block_size)),
         ("allocate + free, per block", lambda n: bench_allocate_free(n, smallest // 2)),
-        ("fork + free, per block shared", lambda n: bench_fork_free(n, smallest // 20)),
+        ("fork + free, per block shared", lambda n: bench_fork_free(
+            n, smallest // 20, block_size=block_size)),
         ("cache admission, hit, per block",
-         lambda n: bench_cache_admission(n, smallest // 20, 20, hit=True)),
+         lambda n: bench_cache_admission(n, smallest // 20, 20, True, block_size)),
         ("cache admission, miss, per block",
-         lambda n: bench_cache_admission(n, smallest // 20, 20, hit=False)),
+         lambda n: bench_cache_admission(n, smallest // 20, 20, False, block_size)),
     ]
     print(f"1. scaling, ns per operation {'':>9}" + "".join(f"{n:>12,}" for n in pools)
           + "   largest/smallest")
@@ -2001,9 +2067,9 @@ def demo_bench(pools=BENCH_POOLS, repeats=BENCH_REPEATS):
         print(f"   {label:<35}" + "".join(f"{t:>12.0f}" for t in times)
               + f"   {times[-1] / times[0]:>15.2f}x")
     print(f"   (target: largest/smallest <= {SCALING_TARGET}x on every row)")
-    bench_against_the_limit(smallest, repeats)
+    bench_against_the_limit(smallest, repeats, block_size)
     bench_free_list_vs_scan(pools, repeats)
-    bench_memory(pools[-1])
+    bench_memory(pools[-1], block_size)
 
 
 APPEND_TARGET = 5   # plain append may cost this many times the bare loop
@@ -2011,17 +2077,17 @@ CACHING_TARGET = 2  # append on a prefix-caching pool, this many times plain app
 SCALING_TARGET = 1.3  # the largest pool's cost per operation over the smallest's
 
 
-def bench_against_the_limit(num_blocks, repeats):
-    num_tokens = num_blocks * BLOCK_SIZE // 2
+def bench_against_the_limit(num_blocks, repeats, block_size):
+    num_tokens = num_blocks * block_size // 2
     ours, caching, bare = interleaved_ns_per_op([
-        bench_append(num_blocks, num_tokens),
-        bench_append(num_blocks, num_tokens, PrefixCachingAllocator),
-        bench_bare_append(num_blocks, num_tokens)], repeats)
+        bench_append(num_blocks, num_tokens, BlockAllocator, block_size),
+        bench_append(num_blocks, num_tokens, PrefixCachingAllocator, block_size),
+        bench_bare_append(num_blocks, num_tokens, block_size)], repeats)
     print("2. append vs a bare inline loop (write the slot, pop a block at each boundary):")
     print(f"   Sequence.append {ours:.0f} ns/token, bare loop {bare:.0f} ns/token: "
           f"{ours / bare:.1f}x (target <= {APPEND_TARGET}x)")
     print(f"   on a prefix-caching pool {caching:.0f} ns/token: {caching / ours:.1f}x plain "
-          f"append (target <= {CACHING_TARGET}x; a block hash every {BLOCK_SIZE} tokens)")
+          f"append (target <= {CACHING_TARGET}x; a block hash every {block_size} tokens)")
 
 
 def bench_free_list_vs_scan(pools, repeats):
@@ -2032,10 +2098,10 @@ def bench_free_list_vs_scan(pools, repeats):
         print(f"   {n:>11,}  {free_list:>12.0f}  {scan:>22.0f}  {scan / free_list:>16,.0f}x")
 
 
-def bench_memory(num_blocks):
+def bench_memory(num_blocks, block_size):
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    pool = BlockAllocator(num_blocks)
+    pool = BlockAllocator(num_blocks, block_size)
     idle = tracemalloc.get_traced_memory()[0] - base
     pool.allocate_many(num_blocks)  # fresh blocks: 0..num_blocks-1
     in_use = tracemalloc.get_traced_memory()[0] - base
@@ -2063,23 +2129,60 @@ SECTIONS = {  # the default run, in reading order
     "sweep": demo_sweep,
 }
 ON_REQUEST = {"bench": demo_bench}  # timings: run only when named
+MAX_BLOCK_SIZE = 256  # the largest --block-size every section is built for
+
+
+def knob_problems_all(block_size):
+    """Every reason the constants and this block size cannot run together."""
+    return (knob_problems(block_size) + cache_knob_problems(block_size)
+            + evict_knob_problems(block_size) + beam_knob_problems() + sweep_knob_problems())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        """Exit with status 2 and one line naming what was wrong (no usage dump)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_option(low, high=None):
+    """An argparse type: an int in low..high, or an error naming the option."""
+    def parse(text):
+        span = f"in {low}..{high}" if high is not None else f">= {low}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int {span}, got {text!r}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an int {span}, got {value}")
+        return value
+    return parse
 
 
 def main(argv=None):
     every = {**SECTIONS, **ON_REQUEST}
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        prog="solution.py",
         description="The paged KV-cache lab: run every section, or only the ones named.")
     parser.add_argument("sections", nargs="*", metavar="SECTION",
                         help=f"any of: {', '.join(every)} (default: all but "
                              f"{', '.join(ON_REQUEST)}, in this order)")
+    parser.add_argument("--block-size", type=int_option(1, MAX_BLOCK_SIZE),
+                        default=BLOCK_SIZE, metavar="N",
+                        help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE}); "
+                             f"pools and workloads are sized in tokens")
+    parser.add_argument("--seed", type=int_option(0), default=None, metavar="N",
+                        help="seed every workload with N (default: the lab's own seeds)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.sections if name not in every]
     if len(unknown) > 0:
         parser.error(f"unknown section {', '.join(unknown)}; choose from {', '.join(every)}")
+    problems = knob_problems_all(args.block_size)
+    if len(problems) > 0:
+        parser.error(f"a knob cannot work: {problems[0]}")
     for i, name in enumerate(args.sections or list(SECTIONS)):
         if i > 0:
             print()
-        every[name]()
+        every[name](block_size=args.block_size, seed=args.seed)
 
 
 if __name__ == "__main__":
