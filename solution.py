@@ -65,11 +65,14 @@ Glossary (one word per idea; the code uses these and no others)
 import argparse
 import gc
 import hashlib
+import json
+import multiprocessing
 import heapq
 import itertools
 import math
 import pickle
 import random
+import sys
 import textwrap
 import time
 import tracemalloc
@@ -2116,6 +2119,326 @@ def bench_memory(num_blocks, block_size):
 
 
 # ---------------------------------------------------------------------------------------
+# Part 11. Extension: a real trace through the prefix cache, against the offline optimum
+# ---------------------------------------------------------------------------------------
+# The question a serving engineer brings: on my traffic, how big must the cache be, and
+# how far is LRU from the best any policy could do? Mooncake's FAST'25 traces
+# (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0) give, per request, an arrival
+# time, lengths, and one hash id per 512-token block of the prompt; equal ids mean an
+# equal prefix. This part replays them through PrefixCachingAllocator and Sequence, one
+# request at a time, under three eviction policies and many pool sizes.
+
+TRACE_ID_TOKENS = 512  # tokens each Mooncake hash id stands for
+TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+TRACE_HELP = ("trace needs a Mooncake-format JSONL file: python solution.py trace PATH "
+              "[--requests N]; the FAST'25 traces are in FAST25-release/traces/ of the "
+              "kvcache-ai/Mooncake repository (conversation_trace.jsonl, "
+              "synthetic_trace.jsonl)")
+
+
+@dataclass
+class TraceRequest:
+    timestamp: float   # ms since the trace began
+    input_length: int  # tokens of prompt
+    output_length: int  # tokens generated
+    hash_ids: list     # one id per 512-token block of the prompt, the last maybe partial
+
+
+def load_trace(path, limit=None):
+    """The first limit requests (all if None) of a Mooncake-format JSONL file. ValueError
+    naming the line for anything malformed; OSError if the file cannot be read."""
+    if limit is not None:
+        check_positive_int(limit, "limit")
+    requests = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if limit is not None and len(requests) == limit:
+                break
+            if line.strip() == "":
+                continue
+            requests.append(parse_trace_line(line, f"{path}:{number}"))
+    return requests
+
+
+def parse_trace_line(line, where):
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg})") from None
+    if not isinstance(record, dict) or any(field not in record for field in TRACE_FIELDS):
+        raise ValueError(f"{where}: a request needs the fields {', '.join(TRACE_FIELDS)}")
+    timestamp, input_length, output_length, hash_ids = (record[f] for f in TRACE_FIELDS)
+    if type(timestamp) not in (int, float) or timestamp < 0:
+        raise ValueError(f"{where}: timestamp must be a number >= 0, got {timestamp!r}")
+    for name, value in (("input_length", input_length), ("output_length", output_length)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
+    if not isinstance(hash_ids, list) or not all(type(h) is int and h >= 0 for h in hash_ids):
+        raise ValueError(f"{where}: hash_ids must be a list of ints >= 0")
+    if len(hash_ids) != cdiv(input_length, TRACE_ID_TOKENS):
+        raise ValueError(f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} "
+                         f"(one per {TRACE_ID_TOKENS} tokens: {cdiv(input_length, 512)})")
+    return TraceRequest(timestamp, input_length, output_length, hash_ids)
+
+
+def trace_prompt(request, block_size):
+    """The prompt the replay admits: each hash id h becomes one block of block_size tokens
+    h * block_size + k; a partial last id (input_length % 512 != 0) keeps
+    min(block_size - 1, max(1, rem * block_size // 512)) of them, so it is never full.
+
+    Example: block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full
+    (tokens 28..31, 36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1
+    token: 12. Block-level reuse is what a prefix cache sees, so the scale does not change
+    which blocks hit.
+    """
+    full = request.input_length // TRACE_ID_TOKENS
+    tokens = list(itertools.chain.from_iterable(
+        range(h * block_size, (h + 1) * block_size) for h in request.hash_ids[:full]))
+    partial = trace_partial_len(request, block_size)
+    return tokens + list(range(request.hash_ids[-1] * block_size,
+                               request.hash_ids[-1] * block_size + partial))
+
+
+def trace_partial_len(request, block_size):
+    """Tokens kept of a partial last id: 0 if the prompt ends on an id's boundary."""
+    rem = request.input_length % TRACE_ID_TOKENS
+    return 0 if rem == 0 else min(block_size - 1, max(1, rem * block_size // TRACE_ID_TOKENS))
+
+
+def trace_decode_len(request, block_size):
+    """Fresh tokens appended after the prompt, at the prompt's scale (at least one)."""
+    return max(1, request.output_length * block_size // TRACE_ID_TOKENS)
+
+
+def trace_blocks_needed(request, block_size):
+    full = request.input_length // TRACE_ID_TOKENS
+    return cdiv(full * block_size + trace_partial_len(request, block_size)
+                + trace_decode_len(request, block_size), block_size)
+
+
+def trace_ceiling(requests):
+    """(hits, full prompt blocks) of a cache that never forgets: in each request, the
+    leading full blocks whose id an earlier request already had."""
+    seen, hits, total = set(), 0, 0
+    for request in requests:
+        full = request.input_length // TRACE_ID_TOKENS
+        k = 0
+        while k < full and request.hash_ids[k] in seen:
+            k += 1
+        hits, total = hits + k, total + full
+        seen.update(request.hash_ids[:full])
+    return hits, total
+
+
+class OptimalPolicy(LRU):
+    """Belady's offline optimum: evict the evictable block whose next use is farthest away,
+    blocks never used again first; on a tie, the deeper block (it needs its parent).
+
+    NOTE: farthest-next-use is the optimum for one cache of equal-size pages. A prefix
+    cache adds one twist: a block hits only if its parent does. But every request that
+    uses a child uses its parent, so a child's next use is never before its parent's, and
+    the tie goes to the child: the policy never keeps a child it cannot reach. The replay
+    sets next_use, which needs the future (a heap with lazy deletion, O(log n))."""
+
+    def __init__(self):
+        super().__init__()
+        self.next_use = {}  # block -> (index of the next request using it, depth)
+        self.heap = []      # (-next request, -depth, block), stale entries included
+
+    def add(self, block):
+        super().add(block)
+        next_request, depth = self.next_use.get(block, (math.inf, 0))
+        heapq.heappush(self.heap, (-next_request, -depth, block))
+
+    def pop(self):
+        while True:
+            next_request, depth, block = heapq.heappop(self.heap)
+            if block in self.order and self.next_use.get(block, (math.inf, 0)) == (
+                    -next_request, -depth):
+                del self.order[block]
+                return block
+
+
+def next_uses(requests):
+    """For each request, for each full prompt block: the index of the next request that
+    has the same hash id (math.inf if none)."""
+    later, table = {}, [None] * len(requests)
+    for i in range(len(requests) - 1, -1, -1):
+        ids = requests[i].hash_ids[:requests[i].input_length // TRACE_ID_TOKENS]
+        table[i] = [later.get(h, math.inf) for h in ids]
+        later.update(dict.fromkeys(ids, i))
+    return table
+
+
+def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE):
+    """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size)
+    with this eviction policy ("lru", "fifo", "optimal" or a policy object): admit the
+    prompt (trace_prompt), append the decode tokens one at a time from a counter above
+    every prompt token, free. Returns the pool (.hits, .misses, .hit_rate)."""
+    check_positive_int(block_size, "block_size")
+    need = max((trace_blocks_needed(r, block_size) for r in requests), default=0)
+    if check_positive_int(num_blocks, "num_blocks") < need:
+        raise ValueError(f"num_blocks {num_blocks} cannot hold the trace's longest request "
+                         f"({need} blocks at block size {block_size})")
+    optimal = OptimalPolicy() if policy == "optimal" else None
+    pool = PrefixCachingAllocator(num_blocks, block_size,
+                                  policy if optimal is None else optimal)
+    uses = next_uses(requests) if optimal is not None else None
+    top = max((h for r in requests for h in r.hash_ids), default=-1)
+    fresh = itertools.count((top + 1) * block_size)  # above every prompt token
+    for i, request in enumerate(requests):
+        seq = Sequence(i, pool, trace_prompt(request, block_size))
+        for _ in range(trace_decode_len(request, block_size)):
+            seq.append(next(fresh))
+        if optimal is not None:  # what the future says of each block, before it is freed
+            for depth, block in enumerate(seq.block_table):
+                if depth < len(uses[i]):
+                    optimal.next_use[block] = (uses[i][depth], depth)
+                else:
+                    optimal.next_use.pop(block, None)  # decode or partial: never again
+        seq.free()
+    return pool
+
+
+TRACE_POLICIES = ("lru", "fifo", "optimal")
+TRACE_SIZES = 7  # pool sizes on a log scale from the longest request to "never evicts"
+
+
+def never_evicts(requests, block_size):
+    """A replay on a pool with room for every block ever written: its peak use
+    (pool.next_unused) is the smallest pool that never evicts on this trace."""
+    room = sum(trace_blocks_needed(r, block_size) for r in requests)
+    return replay_trace(requests, max(1, room), "lru", block_size)
+
+
+def trace_sizes(smallest, largest, count=TRACE_SIZES, extra=()):
+    """count pool sizes spaced evenly on a log scale, plus extra ones inside the range."""
+    ratio = (largest / smallest) ** (1 / max(1, count - 1))
+    sizes = {round(smallest * ratio ** k) for k in range(count)} | {largest}
+    return sorted(sizes | {size for size in extra if smallest < size < largest})
+
+
+_TRACE = None  # (requests, block_size) in a replay worker process: see replay_job
+
+
+def _trace_worker(requests, block_size):
+    global _TRACE
+    _TRACE = (requests, block_size)
+
+
+def replay_job(job):
+    """One replay in a worker (the trace is handed over once per worker, not per job)."""
+    policy, num_blocks = job
+    pool = replay_trace(_TRACE[0], num_blocks, policy, _TRACE[1])
+    return policy, num_blocks, pool.hits, pool.misses
+
+
+def replay_all(requests, sizes, block_size, workers=2):
+    """hits[(policy, size)] for every policy and size; progress on stderr."""
+    jobs = [(policy, size) for size in sorted(sizes, reverse=True) for policy in TRACE_POLICIES]
+    hits, tty = {}, sys.stderr.isatty()
+    with multiprocessing.Pool(workers, _trace_worker, (requests, block_size)) as workers_pool:
+        for done, (policy, size, got, _) in enumerate(
+                workers_pool.imap_unordered(replay_job, jobs), 1):
+            hits[policy, size] = got
+            line = f"trace: replayed {done}/{len(jobs)} ({policy}, {size:,} blocks)"
+            print(f"\r{line:<60}" if tty else line, end="" if tty else "\n", file=sys.stderr,
+                  flush=True)
+    if tty:
+        print(file=sys.stderr)
+    return hits
+
+
+def demo_trace(path, limit=None, block_size=BLOCK_SIZE):
+    requests = load_trace(path, limit)
+    if len(requests) == 0:
+        raise ValueError(f"{path}: no requests")
+    ceiling, total = trace_ceiling(requests)
+    longest = max(trace_blocks_needed(r, block_size) for r in requests)
+    infinite = never_evicts(requests, block_size)
+    roomy = infinite.next_unused
+    three_m = cdiv(3_000_000, TRACE_ID_TOKENS)  # the paper's 3M-token local cache, in ids
+    sizes = trace_sizes(longest, roomy, extra=(three_m,))
+    hits = replay_all(requests, sizes, block_size)
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    print(f"== trace: {len(requests):,} requests of {name} through the prefix cache ==")
+    print(f"{total:,} full prompt blocks (one per hash id, {TRACE_ID_TOKENS} tokens each; "
+          f"block size {block_size} in the replay)")
+    print(f"ceiling, a cache that never forgets: {ceiling:,} hits = {ceiling / total:.1%}; "
+          f"the replay on {roomy:,} blocks")
+    print(f"(which never evicts) gets {infinite.hits:,}: "
+          f"{'equal' if infinite.hits == ceiling else 'NOT EQUAL'}; tokens below: blocks x "
+          f"{TRACE_ID_TOKENS}, the trace's scale")
+    print_trace_table(sizes, hits, total, ceiling)
+    print_trace_chart(sizes, hits, total, ceiling)
+    print_trace_answers(sizes, hits, total, ceiling, three_m, name)
+
+
+def print_trace_table(sizes, hits, total, ceiling):
+    print("   pool blocks   tokens (x512)      LRU     FIFO  optimal   LRU/optimal  "
+          "optimal/ceiling")
+    for size in sizes:
+        rates = [hits[policy, size] / total for policy in TRACE_POLICIES]
+        share = hits["lru", size] / max(1, hits["optimal", size])
+        print(f"   {size:>11,}   {size * TRACE_ID_TOKENS:>13,}   " + "  ".join(
+            f"{rate:>7.1%}" for rate in rates) + f"   {share:>11.0%}  "
+            f"{hits['optimal', size] / max(1, ceiling):>15.0%}")
+
+
+def print_trace_chart(sizes, hits, total, ceiling, height=10):
+    """Hit rate (rows) against pool size (columns, log scale): L lru, F fifo, O optimal;
+    * where marks fall on one cell; the top row is the ceiling."""
+    print(f"   hit rate against pool size (L LRU, F FIFO, O optimal, * several; top = "
+          f"ceiling {ceiling / total:.1%})")
+    cells = {}
+    for column, size in enumerate(sizes):
+        for policy, mark in zip(TRACE_POLICIES, "LFO"):
+            row = round(height * hits[policy, size] / max(1, ceiling))
+            cells[row, column] = mark if (row, column) not in cells else "*"
+    for row in range(height, -1, -1):
+        label = f"{row / height * ceiling / total:6.1%}" if row % 5 == 0 else " " * 6
+        print((f"   {label} |" + "".join(f"{cells.get((row, c), ' '):^9}"
+                                        for c in range(len(sizes)))).rstrip())
+    print("          +" + "-" * 9 * len(sizes))
+    print(("   blocks  " + "".join(f"{size:^9,}" for size in sizes)).rstrip())
+
+
+def smallest_reaching(sizes, hits, policy, target):
+    reached = [size for size in sizes if hits[policy, size] >= target]
+    return f"{min(reached):,} blocks" if len(reached) > 0 else "none of these sizes"
+
+
+def print_trace_answers(sizes, hits, total, ceiling, three_m, name):
+    def say(text):
+        print("\n".join(textwrap.wrap(text, 96, initial_indent="   ",
+                                      subsequent_indent="   ")))
+    for share in (0.5, 0.9):
+        say(f"{share:.0%} of the ceiling: LRU at "
+            f"{smallest_reaching(sizes, hits, 'lru', share * ceiling)}, the optimum at "
+            f"{smallest_reaching(sizes, hits, 'optimal', share * ceiling)}")
+    knee = [size for size in sizes if hits["optimal", size] >= 0.9 * ceiling]
+    if len(knee) > 0:
+        gap = (hits["optimal", knee[0]] - hits["lru", knee[0]]) / total
+        say(f"at the knee ({knee[0]:,} blocks, where the optimum first reaches 90% of the "
+            f"ceiling), LRU leaves {gap:.1%} of full prompt blocks on the table")
+    at_3m = hits["lru", three_m] / max(1, ceiling) if ("lru", three_m) in hits else None
+    print("Quoted, Mooncake (FAST'25), on its conversation trace:")
+    say('"the workload has an average of approximately 40% prefix caching ratio brought '
+        'about by multi-turn conversations"')
+    say(f"ours, {name}: a ceiling of {ceiling / total:.1%} of full prompt blocks")
+    say('"a local cache with a 3M token capacity does not achieve 50% of the theoretical '
+        'maximum hit rate in most scenarios"')
+    say("ours: no pool here is 3M tokens" if at_3m is None else
+        f"ours: LRU at 3M tokens ({three_m:,} blocks) reaches {at_3m:.0%} of the ceiling, "
+        f"{'under' if at_3m < 0.5 else 'not under'} 50%")
+    print("Quoted, Mooncake (arXiv report), on its earlier trace, not this one:")
+    say('"LRUCache performs best under this dataset\'s patterns"')
+    lru_vs = sum(hits["lru", s] >= hits["fifo", s] for s in sizes)
+    say(f"ours: LRU >= FIFO at {lru_vs} of {len(sizes)} sizes; the optimum is >= both at "
+        f"{sum(hits['optimal', s] >= max(hits['lru', s], hits['fifo', s]) for s in sizes)}")
+
+
+# ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
 
@@ -2164,25 +2487,40 @@ def main(argv=None):
         prog="solution.py",
         description="The paged KV-cache lab: run every section, or only the ones named.")
     parser.add_argument("sections", nargs="*", metavar="SECTION",
-                        help=f"any of: {', '.join(every)} (default: all but "
-                             f"{', '.join(ON_REQUEST)}, in this order)")
+                        help=f"any of: {', '.join(every)}, trace PATH (default: all "
+                             f"but {', '.join(ON_REQUEST)} and trace, in this order)")
     parser.add_argument("--block-size", type=int_option(1, MAX_BLOCK_SIZE),
                         default=BLOCK_SIZE, metavar="N",
                         help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE}); "
                              f"pools and workloads are sized in tokens")
     parser.add_argument("--seed", type=int_option(0), default=None, metavar="N",
                         help="seed every workload with N (default: the lab's own seeds)")
+    parser.add_argument("--requests", type=int_option(1), default=None, metavar="N",
+                        help="trace: replay only the first N requests of the file")
     args = parser.parse_args(argv)
-    unknown = [name for name in args.sections if name not in every]
+    names, trace_path = list(args.sections), None
+    if "trace" in names:  # trace PATH: the word after "trace" is the file
+        at = names.index("trace")
+        if at + 1 >= len(names) or names[at + 1] in every:
+            parser.error(TRACE_HELP)
+        trace_path = names.pop(at + 1)
+    unknown = [name for name in names if name not in every and name != "trace"]
     if len(unknown) > 0:
-        parser.error(f"unknown section {', '.join(unknown)}; choose from {', '.join(every)}")
+        parser.error(f"unknown section {', '.join(unknown)}; choose from "
+                     f"{', '.join([*every, 'trace PATH'])}")
     problems = knob_problems_all(args.block_size)
     if len(problems) > 0:
         parser.error(f"a knob cannot work: {problems[0]}")
-    for i, name in enumerate(args.sections or list(SECTIONS)):
+    for i, name in enumerate(names or list(SECTIONS)):
         if i > 0:
             print()
-        every[name](block_size=args.block_size, seed=args.seed)
+        if name == "trace":
+            try:
+                demo_trace(trace_path, args.requests, args.block_size)
+            except (OSError, ValueError) as error:  # a missing file, a malformed line
+                parser.error(str(error))
+        else:
+            every[name](block_size=args.block_size, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,16 @@ The oracle behind every structure is a plain Python list of tokens: whatever the
 the block tables do, each sequence must read back exactly that list.
 """
 
+import pathlib
 import random
+import re
 
 import pytest
 
 import solution
 
+from solution import (FIFO, LRU, load_trace, never_evicts, replay_trace, trace_ceiling,
+                      trace_prompt, TraceRequest)
 from solution import (admit_and_generate, beam_search, BLOCK_SIZE, BlockAllocator, BlockTable,
                       check_invariants, CHECKS, compare_with_paper, demo_bench, evict_sweep,
                       expected_tokens, fuzz, hash_block_tokens, lognormal_lengths, lru_victim,
@@ -937,3 +941,108 @@ def test_check_invariants_refuses_a_sequence_of_another_pool():
     check_invariants(pool_b, [b])
     with pytest.raises(AssertionError, match="belongs to another pool"):
         check_invariants(pool_b, [a])
+
+
+# -- real traces: replay, policies, the offline optimum ----------------------------------
+
+TRACES = pathlib.Path(__file__).resolve().parent.parent / "shared" / "traces"
+
+
+def trace(*id_lists):
+    """Requests of whole 512-token ids, each decoding one token at block size 2."""
+    return [TraceRequest(i, 512 * len(ids), 256, list(ids)) for i, ids in enumerate(id_lists)]
+
+
+def test_lru_and_fifo_differ_on_a_hand_built_trace():
+    # Pool of 3 blocks, 2 per request (one id + one decode block). At [C] one cached block
+    # must go: LRU evicts B (freed longest ago), FIFO evicts A (cached longest ago), so the
+    # second [A] hits under LRU only. Hits: LRU 2, FIFO 1; the optimum also evicts B.
+    requests = trace([0], [1], [0], [2], [0])
+    hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
+            for policy in ("lru", "fifo", "optimal")}
+    assert hits == {"lru": 2, "fifo": 1, "optimal": 2}
+
+
+def test_the_optimum_beats_lru_and_fifo_when_both_evict_the_block_needed_next():
+    # At [C] both LRU and FIFO evict A; the optimum evicts B (never used again) and hits A.
+    requests = trace([0], [1], [2], [0])
+    hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
+            for policy in ("lru", "fifo", "optimal")}
+    assert hits == {"lru": 0, "fifo": 0, "optimal": 1}
+
+
+def test_with_room_for_everything_every_policy_reaches_the_ceiling():
+    requests = trace([0, 1], [0, 1, 2], [3], [0, 1, 2, 4], [3, 5])
+    ceiling, total = trace_ceiling(requests)
+    assert (ceiling, total) == (2 + 3 + 1, 2 + 3 + 1 + 4 + 2)
+    for policy in ("lru", "fifo", "optimal"):
+        pool = replay_trace(requests, 100, policy, block_size=2)
+        assert (pool.hits, pool.hits + pool.misses, pool.evictions) == (ceiling, total, 0)
+
+
+def test_trace_prompt_worked_example_and_scale():
+    request = TraceRequest(0, 1100, 512, [7, 9, 3])  # 2 full ids and 76 tokens
+    assert trace_prompt(request, 4) == [28, 29, 30, 31, 36, 37, 38, 39, 12]
+    assert len(trace_prompt(request, 16)) == 2 * 16 + 2  # 76 * 16 // 512 = 2, never full
+    assert len(trace_prompt(request, 1)) == 2                # block size 1: no partial token
+
+
+def test_policies_are_named_or_objects_and_optimal_needs_a_replay():
+    assert isinstance(PrefixCachingAllocator(4, 2, "fifo").evictable, FIFO)
+    assert PrefixCachingAllocator(4, 2, LRU()).num_cached == 0
+    with pytest.raises(ValueError, match="needs the future"):
+        PrefixCachingAllocator(4, 2, "optimal")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        PrefixCachingAllocator(4, 2, "random")
+    with pytest.raises(ValueError, match="cannot hold the trace's longest request"):
+        replay_trace(trace([0, 1, 2]), 2, block_size=2)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "not JSON"),
+    ('{"timestamp": 0, "input_length": 5}', "needs the fields"),
+    ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}',
+     "input_length must be an int >= 0"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": -2, "hash_ids": [1]}',
+     "output_length must be an int >= 0"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}',
+     "hash_ids must be a list of ints >= 0"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "1"}',
+     "hash_ids must be a list"),
+    ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
+     "2 hash_ids for input_length 1025")])
+def test_a_malformed_trace_line_is_named(tmp_path, capsys, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
+                    '"hash_ids": [0]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"t.jsonl:2: .*{re.escape(message)}"):
+        load_trace(str(path))
+    with pytest.raises(SystemExit) as stop:
+        main(["trace", str(path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_trace_without_a_path_or_file_says_where_to_get_one(capsys):
+    for argv in (["trace"], ["trace", "/no/such/file.jsonl"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+    assert "No such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trace"])
+    assert "kvcache-ai/Mooncake" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (TRACES / "conversation_trace.jsonl").exists(),
+                    reason="../shared/traces/ is not here")
+def test_on_the_conversation_trace_the_optimum_bounds_lru_and_fifo():
+    requests = load_trace(str(TRACES / "conversation_trace.jsonl"), limit=300)
+    assert len(requests) == 300
+    ceiling, _ = trace_ceiling(requests)
+    for num_blocks in (250, 500, 1000, 2000, 4000):
+        hits = {policy: replay_trace(requests, num_blocks, policy).hits
+                for policy in ("lru", "fifo", "optimal")}
+        assert hits["optimal"] >= max(hits["lru"], hits["fifo"])
+        assert hits["optimal"] <= ceiling
+    assert never_evicts(requests, BLOCK_SIZE).hits == ceiling
