@@ -637,6 +637,121 @@ def run_checks(block_size=BLOCK_SIZE, seed=None):
         print(f"{label:<76} ok")
 
 
+def block_map(allocator, sequences):
+    """One line per sequence: its block table as [block:ref-count] cells."""
+    return [f"    {str(seq.seq_id):<4}" + "".join(
+        f"[{block:>3}:{allocator.refcount(block)}]" for block in seq.block_table)
+        for seq in sequences]
+
+
+# The four classic pitfalls, committed on purpose in broken variants made here (the real
+# classes are untouched), each run on a small scenario, then caught by a check above.
+
+class EagerFreePool(BlockAllocator):
+    """Pitfall 1: free gives a block back at once, whatever its ref-count."""
+
+    def free(self, block):
+        check_block(self, block)
+        del self.ref_cnt[block]
+        self._give_back(block)
+
+
+class NoCopyPool(BlockAllocator):
+    """Pitfall 2: every block is writable, shared or not: no copy-on-write."""
+
+    def is_writable(self, block):
+        return True
+
+
+class OffByOneSequence(Sequence):
+    """Pitfall 3: a new block only when the tokens overflow the table (> instead of >=):
+    the token that should start a block lands in the next physical block instead."""
+
+    def append(self, token):
+        pool, n, block_size = self.allocator, len(self.tokens), self.block_size
+        if n > len(self.block_table) * block_size:
+            self.block_table.append(pool.allocate())
+        pool.kv_cache.slots[self.block_table[-1] * block_size + n
+                            - (len(self.block_table) - 1) * block_size] = token
+        self.tokens.append(token)
+
+
+class TableCountingPool(BlockAllocator):
+    """Pitfall 4: blocks in use counted as block-table references (the sum of
+    ref-counts), so a block shared by several sequences counts several times."""
+
+    @property
+    def num_used(self):
+        return sum(self.ref_cnt.values())
+
+    @property
+    def num_free(self):
+        return self.num_blocks - self.num_used
+
+
+def caught(pool, sequences):
+    """'caught by check_invariants: <its message>', wrapped, or a line saying it was not."""
+    try:
+        check_invariants(pool, sequences)
+    except AssertionError as error:
+        return "\n".join(textwrap.wrap(f"caught by check_invariants: {error}", 96,
+                                       initial_indent="   ", subsequent_indent="      "))
+    return "   NOT CAUGHT by check_invariants"
+
+
+def demo_pitfalls(block_size=BLOCK_SIZE, seed=None):
+    print("== pitfalls: each classic bug committed on purpose, what it does, what catches it ==")
+    n = block_size + max(1, block_size // 4)  # a full block and a partly full one (size > 1)
+    pool = EagerFreePool(4, block_size)
+    a = Sequence("a", pool, range(n))
+    b = a.fork("b")
+    a.free()  # b still holds both blocks, but the broken free gave them back
+    c = Sequence("c", pool, range(100, 100 + n))  # takes the same two blocks
+    print(f"1. freeing a shared block: a and b share {len(b.block_table)} blocks; a.free() "
+          f"gives them back; c takes them")
+    print("\n".join(block_map(pool, [b, c])))
+    print(f"   b wrote {b.tokens[:3]}..., reads back {b.read()[:3]}... (c's tokens)")
+    print(caught(pool, [b, c]))
+    pool = NoCopyPool(4, block_size)
+    a = Sequence("a", pool, range(n))
+    b = a.fork("b")
+    b.append(99)   # writes the shared last block in place
+    a.append(7)    # ... and a writes the same slot
+    print(f"2. writing a shared block without copying: b = a.fork('b'); b.append(99); "
+          f"a.append(7)")
+    if n % block_size == 0:
+        print(f"   at block size {block_size} no block is ever partly full: every append "
+              f"takes a new block,")
+        print("   so this bug cannot happen")
+    else:
+        print(f"   b wrote {b.tokens[-1]} last, reads back {b.read()[-1]} (a's token, in the "
+              f"block they share)")
+        print(caught(pool, [a, b]))
+    pool = BlockAllocator(4, block_size)
+    a = OffByOneSequence("a", pool, range(block_size))  # exactly one full block
+    b = Sequence("b", pool, range(100, 100 + block_size))  # the next physical block
+    a.append(99)
+    print(f"3. the block-boundary off-by-one: a holds {block_size} tokens (one full block "
+          f"{a.block_table[0]}), b block {b.block_table[0]};")
+    print(f"   a.append(99) takes no new block and writes offset {block_size} of block "
+          f"{a.block_table[-1]}: slot {block_size * (a.block_table[-1] + 1)}, inside b's block")
+    print(f"   b wrote {b.tokens[0]} first, reads back {b.read()[0]}")
+    print(caught(pool, [a, b]))
+    pool = TableCountingPool(4, block_size)
+    root = Sequence("root", pool, range(2 * block_size))
+    forks = [root.fork(f"f{i}") for i in range(2)]
+    try:
+        Sequence("new", pool, range(block_size))
+        verdict = "admitted"
+    except OutOfBlocksError as error:
+        verdict = f"refused: {error}"
+    print(f"4. counting table entries as blocks: root and {len(forks)} forks share "
+          f"{len(root.block_table)} blocks; the pool counts {pool.num_used}")
+    print(f"   a 1-block request is {verdict};")
+    print(f"   {pool.num_blocks - len(pool.ref_cnt)} blocks are really free")
+    print(caught(pool, [root, *forks]))
+
+
 # ---------------------------------------------------------------------------------------
 # Part 5. Demos: why paging wins
 # ---------------------------------------------------------------------------------------
@@ -723,13 +838,6 @@ def demo_memory(block_size=BLOCK_SIZE, seed=None):
           f"{cdiv(MAX_LEN, block_size)} naive)")
     for line in rounding_note(block_size, MAX_LEN=MAX_LEN, ACTUAL_LEN=ACTUAL_LEN):
         print(line)
-
-
-def block_map(allocator, sequences):
-    """One line per sequence: its block table as [block:ref-count] cells."""
-    return [f"    {str(seq.seq_id):<4}" + "".join(
-        f"[{block:>3}:{allocator.refcount(block)}]" for block in seq.block_table)
-        for seq in sequences]
 
 
 def admit_system_prompt_requests(pool, share, seed=1):
@@ -2561,6 +2669,7 @@ def print_trace_answers(sizes, hits, total, ceiling, three_m, name):
 
 SECTIONS = {  # the default run, in reading order
     "checks": run_checks,
+    "pitfalls": demo_pitfalls,
     "memory": demo_memory,
     "sharing": demo_sharing,
     "cache": demo_cache,

@@ -12,7 +12,7 @@ import pytest
 
 import solution
 
-from solution import (FIFO, LRU, load_trace, never_evicts, replay_trace, trace_ceiling,
+from solution import (FIFO, KVCache, LRU, load_trace, never_evicts, replay_trace, trace_ceiling,
                       trace_prompt, TraceRequest)
 from solution import (run_policy,
                       admit_and_generate, beam_search, BLOCK_SIZE, BlockAllocator, BlockTable,
@@ -33,521 +33,6 @@ def refused(call, exception, pool, sequences, match=None):
     assert snapshot(pool, sequences) == before
 
 
-# -- the pool --------------------------------------------------------------------------
-
-def test_pool_shape_and_defaults():
-    pool = BlockAllocator(10)
-    assert (pool.num_blocks, pool.block_size, BLOCK_SIZE) == (10, 16, 16)
-    assert (pool.num_free, pool.num_used) == (10, 0)
-
-
-@pytest.mark.parametrize("num_blocks, block_size, exception", [
-    (0, 16, ValueError), (-3, 16, ValueError), (4, 0, ValueError), (4, -1, ValueError),
-    ("4", 16, TypeError), (4.0, 16, TypeError), (4, 1.5, TypeError), (True, 16, TypeError),
-    (None, 16, TypeError)])
-def test_pool_rejects_bad_sizes(num_blocks, block_size, exception):
-    with pytest.raises(exception, match="must be a positive int"):
-        BlockAllocator(num_blocks, block_size)
-
-
-def test_allocate_until_empty_then_refuse():
-    pool = BlockAllocator(3)
-    blocks = [pool.allocate() for _ in range(3)]
-    assert sorted(blocks) == [0, 1, 2] and pool.num_free == 0 and pool.num_used == 3
-    refused(pool.allocate, OutOfBlocksError, pool, [], match="all 3 blocks are in use")
-    assert issubclass(OutOfBlocksError, MemoryError)
-
-
-def test_allocate_many_is_all_or_nothing():
-    pool = BlockAllocator(4)
-    pool.allocate()
-    refused(lambda: pool.allocate_many(4), OutOfBlocksError, pool, [], match="need 4")
-    assert len(pool.allocate_many(3)) == 3
-
-
-def test_share_and_free_count_references():
-    pool = BlockAllocator(2)
-    block = pool.allocate()
-    assert pool.share(block) == block and pool.refcount(block) == 2
-    pool.free(block)
-    assert pool.refcount(block) == 1 and pool.num_used == 1
-    pool.free(block)
-    assert pool.refcount(block) == 0 and pool.num_free == 2
-
-
-@pytest.mark.parametrize("method", ["share", "free"])
-@pytest.mark.parametrize("block, match", [
-    (1, "is free"), (-1, "unknown block"), (2, "unknown block"), ("0", "unknown block"),
-    (None, "unknown block"), (0.0, "unknown block")])
-def test_share_and_free_reject_free_or_unknown_blocks(method, block, match):
-    pool = BlockAllocator(2)
-    pool.allocate()  # block 0 in use, block 1 free
-    refused(lambda: getattr(pool, method)(block), ValueError, pool, [], match=match)
-
-
-def test_double_free_is_refused():
-    pool = BlockAllocator(2)
-    block = pool.allocate()
-    pool.free(block)
-    refused(lambda: pool.free(block), ValueError, pool, [], match="double free")
-
-
-@pytest.mark.parametrize("block", [-1, 5, "1", None])
-def test_refcount_and_read_reject_unknown_blocks(block):
-    pool = BlockAllocator(5)
-    for method in (pool.refcount, pool.read):
-        refused(lambda: method(block), ValueError, pool, [], match="unknown block")
-
-
-def test_read_returns_a_copy_and_reused_blocks_are_not_cleared():
-    pool = BlockAllocator(1, 4)
-    seq = Sequence("a", pool, [5, 6, 7])
-    block = seq.block_table[0]
-    assert pool.read(block) == [5, 6, 7, None]
-    pool.read(block)[0] = 99
-    assert pool.read(block)[0] == 5  # a copy, not the memory
-    seq.free()
-    again = Sequence("b", pool, [8])
-    assert again.block_table[0] == block and pool.read(block) == [8, 6, 7, None]
-    assert again.read() == [8]  # the table and the length, not the memory, decide
-
-
-def test_freed_blocks_are_reused_before_fresh_ones():
-    pool = BlockAllocator(10)
-    a, b = pool.allocate(), pool.allocate()
-    pool.free(a)
-    assert pool.allocate() == a and pool.allocate() == 2 and b == 1
-
-
-def test_allocate_many_takes_freed_blocks_last_in_first_out_then_fresh_ones():
-    pool = BlockAllocator(10)
-    blocks = pool.allocate_many(4)                    # fresh: 0, 1, 2, 3
-    for block in (3, 1):
-        pool.free(block)                              # the free list: [3, 1]
-    assert blocks == [0, 1, 2, 3] and pool.allocate_many(3) == [1, 3, 4]
-    assert pool.next_unused == 5                      # blocks 5..9 never handed out
-
-
-def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks():
-    pool = BlockAllocator(8, 4)
-    holes = [pool.allocate() for _ in range(4)]       # blocks 0..3
-    pool.free(holes[2])
-    scattered = Sequence("s", pool, range(10))        # blocks [2, 4, 5]: not one run
-    consecutive = Sequence("c", pool, range(100, 106))  # blocks [6, 7]: one run
-    assert list(scattered.block_table) == [2, 4, 5] and list(consecutive.block_table) == [6, 7]
-    scattered.extend(range(10, 12))                   # fills block 5 from offset 2
-    assert pool.read(5) == [8, 9, 10, 11] and pool.read(7) == [104, 105, None, None]
-    assert scattered.read() == list(range(12)) and consecutive.read() == list(range(100, 106))
-
-
-def test_a_write_that_would_spill_out_of_its_block_is_refused():
-    pool = BlockAllocator(4, 4)
-    blocks = pool.allocate_many(2)
-    table = BlockTable(4, blocks[:1])
-    with pytest.raises(IndexError, match="outside"):
-        table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
-    refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
-            [], match="3 tokens for 2 slots")
-    pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
-    assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
-    assert pool.kv_cache.slots == {2: 1, 3: 2}        # slot = block * block_size + offset
-
-
-def test_an_empty_sequence_takes_no_blocks():
-    for pool in (BlockAllocator(2), PrefixCachingAllocator(2)):
-        seq = Sequence("e", pool)
-        assert len(seq.block_table) == 0 and pool.num_used == 0 and seq.read() == []
-        seq.append(5)
-        assert pool.num_used == 1 and seq.read() == [5]
-
-
-# -- block tables and sequences --------------------------------------------------------
-
-def test_block_table_slot_worked_example():
-    table = BlockTable(16, [7, 2])
-    assert list(table) == [7, 2] and len(table) == 2 and table[1] == 2
-    assert table.slot(0) == (7, 0) and table.slot(17) == (2, 1) and table.slot(31) == (2, 15)
-    assert BlockTable(4, [3, 0, 5]).slot_mapping(6, 9) == [2, 3, 20]  # the docstring's
-    assert table.slot_mapping(15, 18) == [7 * 16 + 15, 2 * 16, 2 * 16 + 1]
-    for bad in (-1, 32, "3"):
-        with pytest.raises(IndexError, match="outside"):
-            table.slot(bad)
-
-
-def test_sequence_allocates_only_what_it_needs():
-    pool = BlockAllocator(10)
-    seq = Sequence("a", pool, range(33))
-    assert (seq.seq_id, len(seq), seq.tokens) == ("a", 33, list(range(33)))
-    assert len(seq.block_table) == 3 and pool.num_used == 3
-    assert Sequence("empty", pool).block_table == [] and pool.num_used == 3
-
-
-@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
-def test_block_boundary_off_by_one(block_size):
-    # Exactly k * block_size tokens need k blocks; one more token needs k + 1; and the
-    # new block appears on the token that starts it, by prompt, append or extend.
-    pool = BlockAllocator(64, block_size)
-    for k in (1, 2, 3):
-        assert len(Sequence("p", pool, range(k * block_size)).block_table) == k
-        assert len(Sequence("q", pool, range(k * block_size + 1)).block_table) == k + 1
-    by_append, by_extend = Sequence("a", pool), Sequence("e", pool)
-    for n in range(1, 2 * block_size + 2):
-        by_append.append(n)
-        by_extend.extend([n])
-        assert len(by_append.block_table) == len(by_extend.block_table) == -(-n // block_size)
-        block, offset = by_append.block_table.slot(n - 1)
-        assert block == by_append.block_table[(n - 1) // block_size]
-        assert offset == (n - 1) % block_size and pool.read(block)[offset] == n
-    assert by_append.read() == by_extend.read() == list(range(1, 2 * block_size + 2))
-
-
-def test_extend_crosses_several_blocks_in_one_call():
-    pool = BlockAllocator(10, 3)
-    seq = Sequence("a", pool, [1])
-    seq.extend(range(2, 12))  # 11 tokens: 4 blocks
-    assert len(seq.block_table) == 4 and seq.read() == list(range(1, 12))
-    check_invariants(pool, [seq])
-
-
-@pytest.mark.parametrize("bad, exception", [
-    ("a", TypeError), (-1, ValueError), (True, TypeError), (1.0, TypeError), (None, TypeError)])
-def test_bad_token_ids_are_refused_and_change_nothing(bad, exception):
-    pool = BlockAllocator(4, 4)
-    seq = Sequence("a", pool, [1, 2])
-    refused(lambda: Sequence("b", pool, [3, bad]), exception, pool, [seq], match="token ids")
-    refused(lambda: seq.append(bad), exception, pool, [seq], match="token ids")
-    refused(lambda: seq.extend([3, 4, 5, bad]), exception, pool, [seq], match="token ids")
-    assert seq.read() == [1, 2]
-
-
-def test_sequence_needs_a_pool_and_iterable_tokens():
-    with pytest.raises(TypeError, match="BlockAllocator"):
-        Sequence("a", object())
-    with pytest.raises(TypeError):
-        Sequence("a", BlockAllocator(2), 5)
-
-
-def test_use_after_free_is_refused():
-    pool = BlockAllocator(4)
-    seq = Sequence("a", pool, range(20))
-    seq.free()
-    assert pool.num_free == 4 and seq.block_table == []
-    for use in (lambda: seq.append(1), lambda: seq.extend([1]), seq.read, seq.free,
-                lambda: seq.fork("b"), lambda: share_prefix(seq, "b", 3)):
-        refused(use, ValueError, pool, [seq], match="was freed")
-
-
-def test_a_failed_prompt_extend_or_copy_changes_nothing():
-    pool = BlockAllocator(4, 4)
-    a = Sequence("a", pool, range(10))   # 3 blocks, the last one half full
-    b = a.fork("b")                      # shares all three
-    refused(lambda: Sequence("c", pool, range(5)), OutOfBlocksError, pool, [a, b])
-    refused(lambda: a.extend(range(7)), OutOfBlocksError, pool, [a, b])  # copy + 1 block
-    Sequence("d", pool, [1])             # the pool is now full
-    refused(lambda: b.append(1), OutOfBlocksError, pool, [a, b])  # needs a copy
-    refused(lambda: a.extend([1, 2, 3]), OutOfBlocksError, pool, [a, b])
-    assert a.read() == b.read() == list(range(10))
-
-
-# -- sharing and copy-on-write ---------------------------------------------------------
-
-def test_free_shared_block_keeps_it_for_the_other_holder():
-    pool = BlockAllocator(4)
-    a = Sequence("a", pool, range(20))
-    b = a.fork("b")
-    a.free()
-    assert [pool.refcount(x) for x in b.block_table] == [1, 1] and pool.num_used == 2
-    assert b.read() == list(range(20))
-    fresh = Sequence("c", pool, range(100, 132))  # takes only the two free blocks
-    assert set(fresh.block_table).isdisjoint(b.block_table) and b.read() == list(range(20))
-    check_invariants(pool, [b, fresh])
-
-
-@pytest.mark.parametrize("block_size", [3, 16, 32])
-def test_cow_on_divergence(block_size):
-    pool = BlockAllocator(8, block_size)
-    prompt = list(range(block_size + 2))  # one full block and a partial one
-    a = Sequence("a", pool, prompt)
-    b = a.fork("b")
-    shared_tail = a.block_table[-1]
-    b.append(1000)
-    assert b.block_table[-1] != shared_tail and a.block_table[-1] == shared_tail
-    assert b.block_table[0] == a.block_table[0]            # the full block stays shared
-    assert pool.read(shared_tail)[len(prompt) % block_size] is None  # a's memory untouched
-    assert a.read() == prompt and b.read() == prompt + [1000]
-    refs = [pool.refcount(x) for x in (a.block_table[0], shared_tail, b.block_table[-1])]
-    assert refs == [2, 1, 1]
-    assert pool.num_copies == 1
-    a.append(2000)  # a is now the tail's only holder: writes in place, no copy
-    assert a.block_table[-1] == shared_tail and pool.num_copies == 1
-    check_invariants(pool, [a, b])
-
-
-def test_fork_at_a_block_boundary_copies_nothing():
-    pool = BlockAllocator(8, 4)
-    a = Sequence("a", pool, range(8))  # exactly two full blocks
-    b = a.fork("b")
-    a.append(1)
-    b.append(2)
-    assert pool.num_copies == 0 and a.block_table[:2] == b.block_table[:2]
-    assert a.block_table[2] != b.block_table[2]
-    check_invariants(pool, [a, b])
-
-
-def test_fork_mid_block_copies_once_per_writer_while_shared():
-    pool = BlockAllocator(16, 4)
-    a = Sequence("a", pool, range(6))
-    forks = [a.fork(i) for i in range(3)]   # the tail block has 4 holders
-    for i, seq in enumerate(forks):
-        seq.append(i)
-    assert pool.num_copies == 3
-    a.append(9)                             # a is the last holder: no copy
-    assert pool.num_copies == 3
-    check_invariants(pool, [a, *forks])
-
-
-def test_share_prefix_references_the_source_blocks_including_a_partial_one():
-    pool = BlockAllocator(8, 4)
-    src = Sequence("src", pool, range(10))            # blocks [x, y, z], z holds 2
-    mid = share_prefix(src, "mid", 5)                 # covers x fully and 1 token of y
-    assert mid.block_table == src.block_table[:2] and mid.read() == list(range(5))
-    assert [pool.refcount(x) for x in src.block_table] == [2, 2, 1]
-    mid.append(50)                                    # y is shared: mid copies it
-    assert mid.block_table[1] != src.block_table[1] and src.read() == list(range(10))
-    assert mid.read() == [0, 1, 2, 3, 4, 50]
-    whole, empty = share_prefix(src, "all"), share_prefix(src, "none", 0)
-    assert whole.read() == list(range(10)) and empty.block_table == []
-    check_invariants(pool, [src, mid, whole, empty])
-
-
-@pytest.mark.parametrize("num_tokens, exception", [
-    (-1, ValueError), (11, ValueError), ("3", TypeError), (2.0, TypeError)])
-def test_share_prefix_rejects_bad_lengths(num_tokens, exception):
-    pool = BlockAllocator(8, 4)
-    src = Sequence("src", pool, range(10))
-    refused(lambda: share_prefix(src, "x", num_tokens), exception, pool, [src],
-            match="num_tokens")
-
-
-def test_counting_physical_blocks_counts_shared_ones_once():
-    pool = BlockAllocator(64)
-    root = Sequence("root", pool, range(64))         # 4 blocks
-    users = [share_prefix(root, i) for i in range(10)]
-    for i, seq in enumerate(users):
-        seq.extend([i] * 20)                          # 2 new blocks each (20 tokens)
-    assert pool.num_used == 4 + 10 * 2
-    assert sum(len(seq.block_table) for seq in [root, *users]) == 4 + 10 * 6
-    check_invariants(pool, [root, *users])
-
-
-# -- the checks can fail ---------------------------------------------------------------
-
-def test_check_invariants_names_each_broken_invariant():
-    pool = BlockAllocator(8, 4)
-    a = Sequence("a", pool, range(6))
-    b = a.fork("b")
-    check_invariants(pool, [a, b])
-    with pytest.raises(AssertionError, match="ref-count != block-table references"):
-        check_invariants(pool, [a])                   # b's references look like a leak
-    pool.ref_cnt[a.block_table[0]] += 1
-    with pytest.raises(AssertionError, match="ref-count != block-table references"):
-        check_invariants(pool, [a, b])
-    pool.ref_cnt[a.block_table[0]] -= 1
-    pool.kv_cache.write([a.block_table[1] * 4], [77])  # a write that skipped copy-on-write
-    with pytest.raises(AssertionError, match="read-back"):
-        check_invariants(pool, [a, b])
-    pool.kv_cache.write([a.block_table[1] * 4], [4])
-    pool.free_block_ids.append(a.block_table[0])      # a block both used and free
-    with pytest.raises(AssertionError, match="free list"):
-        check_invariants(pool, [a, b])
-    pool.free_block_ids.pop()
-    a.block_table.pop()
-    with pytest.raises(AssertionError, match="block count"):
-        check_invariants(pool, [a, b])
-
-
-def test_append_copies_after_a_raw_share_of_the_last_block():
-    # A reference taken by pool.share, outside any sequence, must make append copy,
-    # whatever the sequence did before (a cached "my tail is private" once went stale).
-    for prompt in ([1], [1, 2]):                       # the last block stays partly full
-        pool = BlockAllocator(4, 4)
-        a = Sequence("a", pool, prompt)
-        a.append(3)
-        tail = pool.share(a.block_table[-1])
-        seen = pool.read(tail)
-        a.append(4)
-        assert a.block_table[-1] != tail and pool.read(tail) == seen and pool.num_copies == 1
-        assert a.read() == prompt + [3, 4]
-
-
-def test_fuzz_notices_a_broken_copy_on_write(monkeypatch):
-    # The randomized test is only worth running if it catches the classic bug.
-    monkeypatch.setattr(BlockAllocator, "is_writable", lambda self, block: True)
-    with pytest.raises(AssertionError):
-        fuzz(BlockAllocator(12, 3), random.Random(0), 300)
-
-
-# -- randomized: thousands of mixed operations against a plain-list model --------------
-
-@pytest.mark.parametrize("block_size", [1, 3, 5, 16])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_against_a_list_model(block_size, seed):
-    counts = fuzz(BlockAllocator(12, block_size), random.Random(seed), 1000)
-    for op in ("create", "append", "extend", "fork", "share", "raw share", "free", "refused"):
-        assert counts[op] > 0, f"the run never did {op}"
-
-
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
-def test_the_lab_checks_pass(check, block_size):
-    assert isinstance(check(block_size, 0), str)  # the check raises AssertionError if broken
-
-
-# -- prefix caching --------------------------------------------------------------------
-
-def test_cache_hits_and_misses_on_an_exact_scenario():
-    pool = PrefixCachingAllocator(16, 4)
-    assert (pool.hits, pool.misses, pool.hit_rate, pool.num_cached) == (0, 0, 0.0, 0)
-    a = Sequence("a", pool, range(10))            # 2 full blocks (misses) + a partial
-    assert (pool.hits, pool.misses) == (0, 2)
-    b = Sequence("b", pool, [*range(8), 50, 51, 52, 53, 54])  # 2 hits, 1 miss, a partial
-    assert (pool.hits, pool.misses) == (2, 3) and pool.hit_rate == 2 / 5
-    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert [pool.refcount(x) for x in a.block_table] == [2, 2, 1]
-    assert pool.num_used == 5 and b.read() == [*range(8), 50, 51, 52, 53, 54]
-    check_invariants(pool, [a, b])
-
-
-def test_a_freed_cached_block_is_revived_not_recomputed():
-    pool = PrefixCachingAllocator(8, 4)
-    first = Sequence("first", pool, range(9))
-    blocks = list(first.block_table)
-    first.free()
-    assert pool.num_cached == 2 and pool.num_free == 8   # evictable blocks count as free
-    again = Sequence("again", pool, range(9))
-    assert again.block_table[:2] == blocks[:2] and pool.hits == 2 and pool.num_cached == 0
-    assert again.read() == list(range(9)) and pool.num_free == 8 - 3
-    check_invariants(pool, [again])
-
-
-def test_blocks_filled_by_appended_tokens_are_cached_too():
-    pool = PrefixCachingAllocator(8, 4)
-    seq = Sequence("a", pool, [1, 2])
-    for token in (3, 4, 5, 6, 7, 8):
-        seq.append(token)
-    seq.free()
-    assert pool.num_cached == 2
-    assert Sequence("b", pool, range(1, 9)).block_table[:2] == [0, 1] and pool.hits == 2
-
-
-def test_partial_blocks_are_never_reused():
-    pool = PrefixCachingAllocator(8, 4)
-    a = Sequence("a", pool, range(6))             # one full block, one partial
-    b = Sequence("b", pool, range(6))
-    assert pool.hits == 1 and b.block_table[1] != a.block_table[1]
-    assert len(pool.cached_block_hash_to_block) == 1
-
-
-def test_equal_blocks_after_a_different_history_never_match():
-    pool = PrefixCachingAllocator(8, 4)
-    a = Sequence("a", pool, [1, 2, 3, 4, 9, 9, 9, 9])
-    b = Sequence("b", pool, [5, 6, 7, 8, 9, 9, 9, 9])
-    assert pool.hits == 0 and set(a.block_table).isdisjoint(b.block_table)
-    second = [pool.block_hash[seq.block_table[1]] for seq in (a, b)]
-    assert hash_block_tokens(None, [9] * 4) != second[0] != second[1]
-    a.free()
-    c = Sequence("c", pool, [9, 9, 9, 9])         # block 2 of a as a first block: no match
-    assert pool.hits == 0 and c.read() == [9, 9, 9, 9]
-
-
-def test_lru_evicts_the_least_recently_freed_prompt_first():
-    pool = PrefixCachingAllocator(4, 2)
-    Sequence("a", pool, [1, 1, 2, 2]).free()      # blocks 0, 1 cached
-    Sequence("b", pool, [3, 3, 4, 4]).free()      # blocks 2, 3 cached; a is older
-    Sequence("c", pool, [5, 5])                   # evicts one of a's blocks
-    assert pool.evictions == 1
-    Sequence("b2", pool, [3, 3, 4, 4])            # b survived
-    assert pool.hits == 2
-
-
-def test_a_hit_refreshes_recency():
-    pool = PrefixCachingAllocator(4, 2)
-    Sequence("a", pool, [1, 1, 2, 2]).free()
-    Sequence("b", pool, [3, 3, 4, 4]).free()
-    Sequence("a again", pool, [1, 1, 2, 2]).free()  # revived, then freed: a is now newest
-    Sequence("c", pool, [5, 5, 6, 6])               # evicts two blocks: b's
-    hits = pool.hits
-    Sequence("a third time", pool, [1, 1, 2, 2])
-    assert pool.hits - hits == 2 and pool.evictions == 2
-
-
-def test_a_sequence_is_evicted_tail_first():
-    pool = PrefixCachingAllocator(3, 2)
-    a = Sequence("a", pool, [1, 1, 2, 2, 3, 3])     # 3 cached blocks
-    keys = [pool.block_hash[block] for block in a.block_table]
-    a.free()                                        # tail first: the tail is the oldest
-    Sequence("b", pool, [7, 7]).free()              # evicts one block: a's tail
-    assert pool.evictions == 1
-    assert [key in pool.cached_block_hash_to_block for key in keys] == [True, True, False]
-    hits = pool.hits
-    Sequence("a again", pool, [1, 1, 2, 2, 3, 3])   # the prefix survived
-    assert pool.hits - hits == 2
-
-
-def test_never_cached_free_blocks_go_before_evicting():
-    pool = PrefixCachingAllocator(4, 2)
-    Sequence("a", pool, [1, 1, 2]).free()           # block 0 cached, block 1 plain free
-    Sequence("b", pool, [5, 5, 6, 6])               # blocks 1, 2 (the never-cached ones)
-    assert pool.evictions == 0 and pool.num_cached == 1
-
-
-def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks():
-    pool = PrefixCachingAllocator(4, 2)
-    Sequence("a", pool, [1, 1, 2, 2, 3, 3]).free()  # 3 cached, evictable blocks
-    keep = Sequence("keep", pool, [9])              # 1 in use; free: 3, all cached
-    # 2 hits revived + 2 new blocks = 4 > 3 free: refused, counters and cache untouched.
-    refused(lambda: Sequence("b", pool, [1, 1, 2, 2, 8, 8, 8]), OutOfBlocksError, pool, [keep])
-    assert (pool.hits, pool.misses, pool.evictions) == (0, 3, 0)
-    fits = Sequence("c", pool, [1, 1, 2, 2, 8])     # 2 hits + 1 evicted block: fits
-    assert pool.hits == 2 and pool.evictions == 1 and fits.read() == [1, 1, 2, 2, 8]
-    check_invariants(pool, [keep, fits])
-
-
-def test_fork_and_share_prefix_keep_copy_on_write_on_a_caching_pool():
-    pool = PrefixCachingAllocator(16, 4)
-    a = Sequence("a", pool, range(6))
-    b = a.fork("b")
-    b.append(100)
-    assert pool.num_copies == 1 and a.read() == list(range(6))
-    c = share_prefix(a, "c", 5)
-    c.extend([7, 7, 7])                            # fills c's copy of block 1: cached
-    assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and c.block_table[1] in pool.block_hash
-    check_invariants(pool, [a, b, c])
-
-
-def test_a_cached_block_is_never_written_even_with_one_holder():
-    pool = PrefixCachingAllocator(8, 4)
-    src = Sequence("src", pool, range(8))           # two full, cached blocks
-    part = share_prefix(src, "part", 6)             # covers block 1 only partly
-    src.free()                                      # part is block 1's only holder
-    part.append(99)                                 # must copy: block 1 is cached
-    assert pool.num_copies == 1 and part.read() == [0, 1, 2, 3, 4, 5, 99]
-    again = Sequence("again", pool, range(8))       # the cached KV is intact
-    assert pool.hits == 2 and again.read() == list(range(8))
-    check_invariants(pool, [part, again])
-
-
-@pytest.mark.parametrize("block_size", [1, 2, 3, 16])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_on_a_caching_pool(block_size, seed):
-    pool = PrefixCachingAllocator(12, block_size)
-    counts = fuzz(pool, random.Random(seed), 1000)
-    assert counts["create"] > 0 and counts["refused"] > 0
-    assert pool.hits > 0 and pool.evictions > 0
-
-
-# -- preemption: recompute vs swap ------------------------------------------------------
-
 def serve(policy, requests, gpu_blocks, host_blocks, block_size):
     gpu, host = BlockAllocator(gpu_blocks, block_size), BlockAllocator(host_blocks, block_size)
     scheduler = Scheduler(gpu, host, policy, check=True)  # invariants after every step
@@ -557,433 +42,15 @@ def serve(policy, requests, gpu_blocks, host_blocks, block_size):
     return scheduler.stats
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap"])
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_both_policies_finish_every_request_with_its_tokens(policy, block_size):
-    requests = preemption_workload(seed=block_size, num_requests=6)
-    stats = serve(policy, requests, 512 // block_size, 256 // block_size, block_size)
-    assert stats.preemptions > 0
-
-
-def test_counters_match_a_hand_computed_case():
-    # bs 2, 4 GPU blocks; A and B: 2-token prompts, 3 tokens to generate. Step 0 admits
-    # both and each takes a second block; step 2 A needs a fifth block: B (last step 1)
-    # is the victim, 4 tokens in 2 blocks. A finishes; step 3 B comes back.
-    requests = [Request(0, [1, 2], 3, 0), Request(1, [3, 4], 3, 0)]
-    recompute = serve("recompute", requests, 4, 4, 2)
-    assert (recompute.preemptions, recompute.recomputed_tokens, recompute.steps) == (1, 4, 4)
-    assert recompute.swapped_out_blocks == recompute.swapped_in_blocks == 0
-    swap = serve("swap", requests, 4, 4, 2)
-    assert (swap.preemptions, swap.recomputed_tokens, swap.steps) == (1, 0, 4)
-    assert swap.swapped_out_blocks == swap.swapped_in_blocks == 2 and swap.host_fallbacks == 0
-    assert recompute.preempted_blocks == swap.preempted_blocks == 2
-    rate, latency = solution.PREFILL_TOKENS_PER_S[0], solution.TRANSFER_LATENCY_S[0]
-    assert recompute.recompute_seconds(rate) == 4 / rate and swap.recompute_seconds(rate) == 0
-    assert swap.swap_seconds(2, 1, latency) == 4 * solution.block_copy_seconds(2, 1, latency)
-
-
-def test_the_victim_is_the_least_recently_used():
-    assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=1) == 2
-    assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=0) == 1
-    assert lru_victim({0: 7, 1: 7, 2: 7}, exclude=0) == 2  # a tie: the latest arrival
-
-
-def test_the_scheduler_preempts_the_request_stepped_longest_ago():
-    gpu, host = BlockAllocator(3, 2), BlockAllocator(4, 2)
-    scheduler = Scheduler(gpu, host, "recompute")
-    prompts = {0: [0, 0], 1: [1, 1], 2: [2]}               # the pool is full; 2 has room
-    for req_id, prompt in prompts.items():
-        scheduler.running[req_id] = Sequence(req_id, gpu, prompt)
-    scheduler.last_step.update({0: 9, 1: 3, 2: 8})       # 1 is the oldest
-    scheduler._decode({r: len(p) + 5 for r, p in prompts.items()}, step=10)
-    assert 1 in scheduler.preempted and set(scheduler.running) == {0, 2}
-
-
-def test_a_full_host_pool_falls_back_to_recompute():
-    requests = preemption_workload(seed=1, num_requests=10)
-    stats = serve("swap", requests, 1024 // 16, 2, 16)    # room for 2 host blocks only
-    assert stats.host_fallbacks > 0 and stats.recomputed_tokens > 0
-    assert stats.preemptions >= stats.host_fallbacks
-
-
-def test_a_victim_holding_a_shared_block_is_recomputed_not_swapped():
-    gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
-    scheduler = Scheduler(gpu, host, "swap")
-    parent = Sequence(0, gpu, range(6))
-    scheduler.running[1], scheduler.last_step[1] = parent.fork(1), 0
-    scheduler._preempt(1)
-    assert scheduler.stats.shared_fallbacks == 1 and host.num_used == 0
-    assert scheduler.preempted[1].host_blocks is None and parent.read() == list(range(6))
-    check_invariants(gpu, [parent])
-
-
-def test_swap_out_and_in_keep_every_block_s_contents():
-    gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
-    seq = Sequence("a", gpu, range(10))
-    contents = [gpu.read(block) for block in seq.block_table]
-    host_blocks = swap_out(seq, host)
-    assert [host.read(block) for block in host_blocks] == contents
-    tokens = list(seq.tokens)
-    seq.free()
-    Sequence("filler", gpu, range(100, 108))        # the old GPU blocks get reused
-    back = swap_in("a", tokens, host_blocks, host, gpu)
-    assert [gpu.read(block) for block in back.block_table] == contents
-    assert back.read() == list(range(10)) and host.num_used == 0
-    back.append(10)
-    assert back.read() == list(range(11))
-
-
-def test_scheduler_rejects_bad_policies_and_requests_that_never_fit():
-    with pytest.raises(ValueError, match="policy"):
-        Scheduler(BlockAllocator(4), BlockAllocator(4), "drop")
-    with pytest.raises(ValueError, match="plain BlockAllocator"):
-        Scheduler(PrefixCachingAllocator(4), BlockAllocator(4), "swap")
-    scheduler = Scheduler(BlockAllocator(2, 2), BlockAllocator(2, 2), "swap")
-    with pytest.raises(ValueError, match="can never run"):
-        scheduler.run([Request(0, [1, 2, 3], 5, 0)])
-
-
-def test_a_swap_run_moves_exactly_the_blocks_the_recompute_run_preempted():
-    # evict_runs derives swap's traffic from recompute runs: 2 x the victims' blocks. That
-    # holds only if a swap run (host pool as large as the GPU's) preempts the same victims.
-    for block_size in (1, 16, 64):
-        requests = preemption_workload(seed=7)
-        recompute = run_policy("recompute", block_size, requests)
-        swap = run_policy("swap", block_size, requests, host_tokens=solution.GPU_KV_TOKENS)
-        assert swap.host_fallbacks == swap.shared_fallbacks == swap.recomputed_tokens == 0
-        assert swap.swapped_out_blocks == swap.swapped_in_blocks == recompute.preempted_blocks
-        assert swap.preemptions == recompute.preemptions > 0
-    rows = evict_runs([7], block_sizes=(1, 16, 64))[7]
-    assert [(row[0], row[3]) for row in rows] == [
-        (size, run_policy("recompute", size, requests).preempted_blocks) for size in (1, 16, 64)]
-
-
-def test_the_20_percent_verdict_agrees_with_the_printed_ratios(capsys, monkeypatch):
-    # A ratio of 1.204 prints as 1.20 and must count as inside "never higher than 20%";
-    # 1.206 prints as 1.21 and must not. The verdicts count rows of the printed table.
-    for ratio, holds in ((1.204, 8), (1.206, 0)):
-        monkeypatch.setattr(solution, "evict_ratios", lambda runs, *setting, r=ratio: {
-            1: [0.5], 16: [1.0], 64: [r], 256: [1.1]})
-        compare_with_paper({0: []})
-        out = capsys.readouterr().out
-        assert f"{ratio:.2f}" in out
-        assert f"at every size: holds in {holds} of 8 rows" in out
-        assert f"small blocks favour recompute, large ones swap: holds in 8 of 8 rows" in out
-
-
-def test_evict_prints_the_quote_and_every_block_size(capsys):
-    main(["evict"])
-    out = capsys.readouterr().out
-    assert "recomputation overhead is never higher than 20% of swapping's latency" in \
-        " ".join(out.split())
-    assert f"over {solution.EVICT_SEEDS} seeds" in out
-    header = next(line for line in out.splitlines() if "copies  prefill/s" in line)
-    assert header.split()[3:] == [str(size) for size in solution.EVICT_SIZES]
-
-
-# -- parallel sampling and beam search ---------------------------------------------------
-
-def test_parallel_sampling_off_a_block_boundary_copies_once_per_writer_but_the_last():
-    forked = parallel_sampling(6, 3, 4, block_size=4)     # prompt: 1 full block + 2 tokens
-    alone = parallel_sampling(6, 3, 4, share=False, block_size=4)
-    assert forked.copies == 2 and alone.copies == 0
-    assert forked.used[0] == 2 and forked.used[-1] == 1 + 3 + 3  # shared, 3 tails, 3 new
-    assert alone.used[0] == 6 and alone.used[-1] == 9
-    assert forked.entries == alone.used    # table entries = what copies would hold
-    assert 0 < saving([forked]) == 1 - sum(forked.used) / sum(alone.used)
-
-
-def test_parallel_sampling_on_a_block_boundary_copies_nothing():
-    forked = parallel_sampling(8, 3, 4, block_size=4)     # prompt: exactly 2 blocks
-    assert forked.copies == 0 and forked.used == [2, 5, 5, 5, 5] and forked.peak == 5
-
-
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-@pytest.mark.parametrize("width", [1, 3, 5])
-def test_beam_search_beams_read_back_their_histories_and_the_pool_ends_whole(block_size, width):
-    # check=True compares every beam with its plain-list history and checks every
-    # invariant after every step (so pruned beams must have returned their blocks);
-    # beam_search itself checks the pool is whole after the last free.
-    run = beam_search(7, width, 40, block_size=block_size, check=True)
-    alone = beam_search(7, width, 40, share=False, block_size=block_size, check=True)
-    assert len(run.used) == len(alone.used) == 41 and alone.copies == 0
-    assert run.entries == alone.used == alone.entries  # the baseline measured in one run
-    assert all(f <= a for f, a in zip(run.used, alone.used))
-    if width > 1:
-        assert run.mean < alone.mean
-
-
-def test_beam_search_picture_shows_shared_blocks_with_their_ref_counts():
-    picture = beam_search(10, 4, 8, block_size=4, picture_step=6).picture
-    assert len(picture) == 4
-    assert all("[  0:4]" in line for line in picture)  # the prompt's first block, 4 beams
-
-
-# -- the block-size sweep ----------------------------------------------------------------
-
 def workload(lengths, kv_slots):
     return Workload("test", "crafted", kv_slots,
                     [(list(range(p)), list(range(o))) for p, o in lengths])
-
-
-@pytest.mark.parametrize("block_size", [1, 2, 4, 8])
-def test_fragmentation_is_zero_when_every_length_is_a_multiple_of_the_block_size(block_size):
-    row = measure_block_size(workload([(8, 8), (16, 0), (3, 5), (24, 16)], 64), block_size)
-    assert row.fragmentation == 0
-
-
-def test_fragmentation_block_tables_and_fit_on_a_hand_computed_case():
-    # block size 4: 5 tokens -> 2 blocks (3 slots unused), 4 tokens -> 1 block,
-    # 9 tokens -> 3 blocks (3 unused): 6 blocks, 24 slots, 18 tokens.
-    row = measure_block_size(workload([(3, 2), (4, 0), (7, 2)], 12), 4)
-    assert row.fragmentation == 6 / 24
-    assert row.entries_per_seq == (2 + 1 + 3) / 3 and row.table_bytes == 6 * 4
-    assert row.fit == 2                       # 12 slots = 3 blocks: the first two requests
-    assert row.block_size == 4
-
-
-def test_block_table_entries_are_the_ceiling_of_length_over_size():
-    for block_size in (1, 3, 16, 256):
-        row = measure_block_size(workload([(100, 0), (17, 0), (1, 0)], 256), block_size)
-        expected = sum(-(-n // block_size) for n in (100, 17, 1))
-        assert row.entries_per_seq * 3 == expected and row.table_bytes == 4 * expected
-
-
-def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt():
-    # Only whole blocks of the prompt are cached: the tokens past the last full one are lost.
-    for size in (1, 2, 16, 256):
-        lost = SWEEP_SYSTEM_LEN % size
-        assert prefix_reuse_lost(size) == pytest.approx(lost / SWEEP_SYSTEM_LEN)
-    assert prefix_reuse_lost(16) > 0                  # the prompt's length is not a multiple
-
-
-def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget():
-    rows = [SweepRow(size, frag, 0, 0, 0) for size, frag in
-            [(1, 0.0), (8, 0.01), (16, 0.04), (32, 0.06), (64, 0.03), (128, 0.2)]]
-    assert sweet_spot(rows) == 16             # stops at 32, though 64 dips under again
-    assert sweet_spot(rows, max_fragmentation=0.035) == 8
-    assert sweet_spot(rows, max_fragmentation=0.0) is None
-
-
-def test_admit_and_generate_takes_a_whole_request_or_changes_nothing():
-    pool = BlockAllocator(3, 4)
-    seq = admit_and_generate("a", pool, [1, 2, 3], [4, 5])  # 5 tokens: 2 blocks
-    assert seq.read() == [1, 2, 3, 4, 5] and pool.num_used == 2
-    refused(lambda: admit_and_generate("b", pool, [6], [7, 8, 9, 10]), OutOfBlocksError,
-            pool, [seq])
-
-
-def test_drawn_lengths_have_the_mean_they_name_and_stay_in_range():
-    rng = random.Random(0)
-    lengths = [draw_length(rng, 338, 2048) for _ in range(20_000)]
-    assert 1 <= min(lengths) and max(lengths) <= 2048
-    assert abs(sum(lengths) / len(lengths) - 338) < 10  # the exponential's mean, sampled
-    assert max(draw_length(rng, 338, 100) for _ in range(100)) == 100  # capped
-
-
-def test_samples_end_at_their_own_lengths_and_free_their_blocks():
-    run = parallel_sampling(8, 3, [1, 4, 2], block_size=4)  # prompt: 2 full blocks
-    # steps: after 1, sample 0 is done and freed; after 2, sample 2; after 4, sample 1.
-    assert run.used == [2, 5, 4, 3, 3] and run.entries == [6, 9, 6, 3, 3]
-    with pytest.raises(ValueError, match="2 lengths for n=3"):
-        parallel_sampling(8, 3, [1, 4], block_size=4)
-
-
-def test_sweep_workloads_are_seeded_and_overflow_their_budget():
-    first, again = sweep_workloads(), sweep_workloads()
-    assert [w.requests for w in first] == [w.requests for w in again]
-    for w in first:
-        assert sum(len(p) + len(o) for p, o in w.requests) > w.kv_slots
-
-
-# -- the benchmark section ----------------------------------------------------------------
-
-def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(capsys):
-    demo_bench(pools=(100, 200), repeats=1)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("== bench") and len(lines) == 16 + 2  # a row per pool in 3.
-    for label in ("append, per token", "allocate + free", "fork + free", "cache admission, hit",
-                  "cache admission, miss", "Sequence.append", "scan / free list", "idle pool"):
-        assert any(label in line for line in lines), label
-    assert sum(line.endswith("x") for line in lines) == 6 + 2  # the ratios of 1. and 3.
-    assert any(line.endswith("x (target <= 5x)") for line in lines)
-    assert any("x plain append (target <= 2x" in line for line in lines)
-    assert any("largest/smallest <= 1.3x" in line for line in lines)
-
-
-def test_the_scanning_allocator_finds_the_first_free_block():
-    pool = ScanningAllocator(5, num_used=3)
-    assert pool.allocate() == 3 and pool.allocate() == 4
-    pool.free(3)
-    assert pool.allocate() == 3
-
-
-# -- the command line ------------------------------------------------------------------
-
-def test_default_run_prints_the_core_results(capsys):
-    main(["memory", "sharing"])
-    out = capsys.readouterr().out
-    s, bs = solution, BLOCK_SIZE
-    naive, paged = s.POOL_TOKENS // s.MAX_LEN, s.POOL_TOKENS // s.ACTUAL_LEN  # bs divides both
-    alone = s.NUM_REQUESTS * -(-(s.SYSTEM_LEN + s.USER_LEN) // bs)
-    shared = s.SYSTEM_LEN // bs + s.NUM_REQUESTS * -(-s.USER_LEN // bs)  # prompt: full blocks
-    for line in [
-        f"== memory efficiency: sequences that fit in a {s.POOL_TOKENS // bs}-block pool ==",
-        f"naive contiguous (reserve max_len={s.MAX_LEN})  : {naive:>4} sequences",
-        f"paged (allocate-on-demand, actual={s.ACTUAL_LEN})    : {paged:>4} sequences   "
-        f"({paged / naive:.1f}x)",
-        f"== prefix sharing: {s.NUM_REQUESTS} requests, shared {s.SYSTEM_LEN}-token system "
-        f"prompt ==",
-        f"without sharing : {alone:>5} blocks used",
-        f"with sharing    : {shared:>5} blocks used   ({alone / shared:.1f}x less; shared "
-        f"prefix stored once)",
-        "copy-on-write   : divergence forked block; refcounts correct",
-    ]:
-        assert line in out.splitlines()
-    assert max(len(line) for line in out.splitlines()) <= 100
-
-
-def test_sections_run_alone_and_unknown_ones_are_refused(capsys):
-    main(["checks"])
-    out = capsys.readouterr().out
-    assert "correctness checks" in out and "memory efficiency" not in out
-    assert out.count(" ok\n") == len(CHECKS)
-    with pytest.raises(SystemExit):
-        main(["nonsense"])
-
-
-def test_help_lists_every_section(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
-    listed = " ".join(out.split()).split("any of: ")[1].split(" (default")[0]
-    assert listed.split(", ") == ["checks", "memory", "sharing", "cache", "evict", "beam",
-                                  "sweep", "bench", "trace PATH"]
-    assert "--block-size N" in out and "--seed N" in out and "--requests N" in out
-
-
-# -- knobs: every block size and seed runs; what cannot work says so -------------------
-
-@pytest.mark.parametrize("block_size, seed", [(1, 0), (3, 1), (8, 2), (32, 3), (256, 4)])
-def test_every_default_section_runs_at_odd_block_sizes_and_seeds(capsys, block_size, seed):
-    main(["--block-size", str(block_size), "--seed", str(seed)])
-    out = capsys.readouterr().out
-    assert all(f"== {title}" in out for title in ("correctness", "memory", "prefix sharing",
-                                                   "cache", "evict", "beam", "sweep"))
-    assert max(len(line) for line in out.splitlines()) <= 100
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--block-size", "0"], "--block-size: must be an int in 1..256, got 0"),
-    (["--block-size", "-3"], "--block-size: must be an int in 1..256, got -3"),
-    (["--block-size", "x"], "--block-size: must be an int in 1..256, got 'x'"),
-    (["--block-size", "257"], "got 257"),
-    (["--seed", "-1"], "--seed: must be an int >= 0, got -1"),
-    (["nonsense"], "unknown section nonsense")])
-def test_bad_options_exit_2_with_one_line(capsys, argv, message):
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and message in err and err.count("\n") == 1
-
-
-@pytest.mark.parametrize("knob, value, message", [
-    ("MAX_LEN", 512, "MAX_LEN must be >= ACTUAL_LEN"),
-    ("ACTUAL_LEN", 0, "ACTUAL_LEN must be >= 1"),
-    ("HOST_KV_TOKENS", 0, "HOST_KV_TOKENS must hold one block"),
-    ("POOL_TOKENS", 1024, "POOL_TOKENS must hold one MAX_LEN request"),
-    ("GPU_KV_TOKENS", 256, "GPU_KV_TOKENS must hold"),
-    ("BEAM_WIDTHS", (), "BEAM_WIDTHS must be"),
-    ("MAX_FRAGMENTATION", 0, "MAX_FRAGMENTATION must be in (0, 1)")])
-def test_a_knob_that_cannot_work_is_named_before_anything_runs(capsys, monkeypatch, knob,
-                                                                value, message):
-    monkeypatch.setattr(solution, knob, value)
-    with pytest.raises(SystemExit) as stop:
-        main(["memory"])
-    out, err = capsys.readouterr()
-    assert stop.value.code == 2 and message in err and out == ""
-
-
-def test_the_memory_demo_keeps_its_numbers_at_block_sizes_that_divide_its_lengths(capsys):
-    expected = (solution.POOL_TOKENS // solution.MAX_LEN, solution.POOL_TOKENS //
-                solution.ACTUAL_LEN)
-    for block_size in (1, 8, 64, 256):
-        main(["memory", "--block-size", str(block_size)])
-        lines = capsys.readouterr().out.splitlines()
-        assert f"{expected[0]:>4} sequences" in lines[1] and f"{expected[1]:>4} sequences" in \
-            lines[2]
-    main(["memory", "--block-size", "3"])
-    assert "at block size 3, MAX_LEN=2048 takes 683 blocks" in capsys.readouterr().out
 
 
 def scheduler(gpu_blocks, host_blocks, block_size=2, policy="recompute"):
     host = None if host_blocks is None else BlockAllocator(host_blocks, block_size)
     return Scheduler(BlockAllocator(gpu_blocks, block_size), host, policy)
 
-
-@pytest.mark.parametrize("gpu, requests, message", [
-    (BlockAllocator(1, 4), [Request(0, [1, 2], 2, 0)], "request 0 can never run"),
-    (BlockAllocator(200, 1), [Request(0, list(range(199)), 1, 0)], "request 0 can never run"),
-    (BlockAllocator(2, 2), [Request(0, [1], 3, 0), Request(1, [], 1, 1)],
-     "request 0 can never run"),
-    (BlockAllocator(8, 2), [Request(0, [1], -1, 0)], "max_tokens must be an int >= 0"),
-    (BlockAllocator(8, 2), [Request(0, [1], 1.5, 0)], "max_tokens must be an int >= 0"),
-    (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request(0, [2], 1, 0)], "duplicate req_id"),
-    (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids")])
-def test_the_scheduler_refuses_what_can_never_run_before_changing_anything(gpu, requests,
-                                                                           message):
-    host = BlockAllocator(4, gpu.block_size)
-    run = Scheduler(gpu, host, "recompute")
-    refused(lambda: run.run(requests, max_steps=1000), ValueError, gpu, [], match=message)
-    assert run.finished == {} and run.running == {} and host.num_used == 0
-
-
-def test_swap_needs_a_host_pool_of_the_same_block_size():
-    with pytest.raises(ValueError, match="needs a host pool"):
-        scheduler(8, None, policy="swap")
-    with pytest.raises(ValueError, match="block size 2"):
-        Scheduler(BlockAllocator(8, 2), BlockAllocator(8, 4), "swap")
-
-
-def test_max_tokens_zero_finishes_with_its_prompt():
-    run = scheduler(8, 4)
-    assert run.run([Request(0, [5, 6, 7], 0, 0), Request(1, [], 0, 3)], max_steps=100) == {
-        0: [5, 6, 7], 1: []}
-    assert run.gpu.num_free == run.gpu.num_blocks
-
-
-def test_idle_steps_are_skipped_to_the_next_arrival():
-    run = scheduler(8, 4)
-    finished = run.run([Request(0, [1], 2, 10**6)], max_steps=10**6 + 10)
-    assert finished == {0: expected_tokens(Request(0, [1], 2, 10**6))}
-    assert run.stats.steps == 10**6 + 2
-
-
-def test_a_stalled_scheduler_raises_instead_of_looping(monkeypatch):
-    run = scheduler(8, 4)
-    monkeypatch.setattr(Scheduler, "_fits", lambda self, num_blocks: False)  # admits nothing
-    with pytest.raises(RuntimeError, match="no request can resume, be admitted or decode"):
-        run.run([Request(0, [1], 2, 0)], max_steps=1000)
-
-
-def test_degenerate_arguments_name_the_argument():
-    with pytest.raises(ValueError, match="n must be an int >= 1"):
-        parallel_sampling(10, 0, 5)
-    with pytest.raises(ValueError, match="width must be an int >= 1"):
-        beam_search(10, 0, 5)
-    with pytest.raises(TypeError, match="output_len must be an int"):
-        beam_search(10, 2, 5.0)
-
-
-def test_check_invariants_refuses_a_sequence_of_another_pool():
-    pool_a, pool_b = BlockAllocator(4, 4), BlockAllocator(4, 4)
-    a, b = Sequence("a", pool_a, [1, 2]), Sequence("b", pool_b, [1, 2])
-    check_invariants(pool_b, [b])
-    with pytest.raises(AssertionError, match="belongs to another pool"):
-        check_invariants(pool_b, [a])
-
-
-# -- real traces: replay, policies, the offline optimum ----------------------------------
 
 TRACES = pathlib.Path(__file__).resolve().parent.parent / "shared" / "traces"
 
@@ -993,96 +60,989 @@ def trace(*id_lists):
     return [TraceRequest(i, 512 * len(ids), 256, list(ids)) for i, ids in enumerate(id_lists)]
 
 
-def test_lru_and_fifo_differ_on_a_hand_built_trace():
-    # Pool of 3 blocks, 2 per request (one id + one decode block). At [C] one cached block
-    # must go: LRU evicts B (freed longest ago), FIFO evicts A (cached longest ago), so the
-    # second [A] hits under LRU only. Hits: LRU 2, FIFO 1; the optimum also evicts B.
-    requests = trace([0], [1], [0], [2], [0])
-    hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
-            for policy in ("lru", "fifo", "optimal")}
-    assert hits == {"lru": 2, "fifo": 1, "optimal": 2}
+class TestBlockPool:
+    """Part 1: the block pool and the KV cache."""
+
+    def test_pool_shape_and_defaults(self):
+        pool = BlockAllocator(10)
+        assert (pool.num_blocks, pool.block_size, BLOCK_SIZE) == (10, 16, 16)
+        assert (pool.num_free, pool.num_used) == (10, 0)
+
+    @pytest.mark.parametrize("num_blocks, block_size, exception", [
+        (0, 16, ValueError), (-3, 16, ValueError), (4, 0, ValueError), (4, -1, ValueError),
+        ("4", 16, TypeError), (4.0, 16, TypeError), (4, 1.5, TypeError), (True, 16, TypeError),
+        (None, 16, TypeError)])
+    def test_pool_rejects_bad_sizes(self, num_blocks, block_size, exception):
+        with pytest.raises(exception, match="must be a positive int"):
+            BlockAllocator(num_blocks, block_size)
+
+    def test_allocate_until_empty_then_refuse(self):
+        pool = BlockAllocator(3)
+        blocks = [pool.allocate() for _ in range(3)]
+        assert sorted(blocks) == [0, 1, 2] and pool.num_free == 0 and pool.num_used == 3
+        refused(pool.allocate, OutOfBlocksError, pool, [], match="all 3 blocks are in use")
+        assert issubclass(OutOfBlocksError, MemoryError)
+
+    def test_allocate_many_is_all_or_nothing(self):
+        pool = BlockAllocator(4)
+        pool.allocate()
+        refused(lambda: pool.allocate_many(4), OutOfBlocksError, pool, [], match="need 4")
+        assert len(pool.allocate_many(3)) == 3
+
+    def test_share_and_free_count_references(self):
+        pool = BlockAllocator(2)
+        block = pool.allocate()
+        assert pool.share(block) == block and pool.refcount(block) == 2
+        pool.free(block)
+        assert pool.refcount(block) == 1 and pool.num_used == 1
+        pool.free(block)
+        assert pool.refcount(block) == 0 and pool.num_free == 2
+
+    @pytest.mark.parametrize("method", ["share", "free"])
+    @pytest.mark.parametrize("block, match", [
+        (1, "is free"), (-1, "unknown block"), (2, "unknown block"), ("0", "unknown block"),
+        (None, "unknown block"), (0.0, "unknown block")])
+    def test_share_and_free_reject_free_or_unknown_blocks(self, method, block, match):
+        pool = BlockAllocator(2)
+        pool.allocate()  # block 0 in use, block 1 free
+        refused(lambda: getattr(pool, method)(block), ValueError, pool, [], match=match)
+
+    def test_double_free_is_refused(self):
+        pool = BlockAllocator(2)
+        block = pool.allocate()
+        pool.free(block)
+        refused(lambda: pool.free(block), ValueError, pool, [], match="double free")
+
+    @pytest.mark.parametrize("block", [-1, 5, "1", None])
+    def test_refcount_and_read_reject_unknown_blocks(self, block):
+        pool = BlockAllocator(5)
+        for method in (pool.refcount, pool.read):
+            refused(lambda: method(block), ValueError, pool, [], match="unknown block")
+
+    def test_read_returns_a_copy_and_reused_blocks_are_not_cleared(self):
+        pool = BlockAllocator(1, 4)
+        seq = Sequence("a", pool, [5, 6, 7])
+        block = seq.block_table[0]
+        assert pool.read(block) == [5, 6, 7, None]
+        pool.read(block)[0] = 99
+        assert pool.read(block)[0] == 5  # a copy, not the memory
+        seq.free()
+        again = Sequence("b", pool, [8])
+        assert again.block_table[0] == block and pool.read(block) == [8, 6, 7, None]
+        assert again.read() == [8]  # the table and the length, not the memory, decide
+
+    def test_freed_blocks_are_reused_before_fresh_ones(self):
+        pool = BlockAllocator(10)
+        a, b = pool.allocate(), pool.allocate()
+        pool.free(a)
+        assert pool.allocate() == a and pool.allocate() == 2 and b == 1
+
+    def test_allocate_many_takes_freed_blocks_last_in_first_out_then_fresh_ones(self):
+        pool = BlockAllocator(10)
+        blocks = pool.allocate_many(4)                    # fresh: 0, 1, 2, 3
+        for block in (3, 1):
+            pool.free(block)                              # the free list: [3, 1]
+        assert blocks == [0, 1, 2, 3] and pool.allocate_many(3) == [1, 3, 4]
+        assert pool.next_unused == 5                      # blocks 5..9 never handed out
+
+    def test_writes_land_in_their_slots_in_consecutive_and_scattered_blocks(self):
+        pool = BlockAllocator(8, 4)
+        holes = [pool.allocate() for _ in range(4)]       # blocks 0..3
+        pool.free(holes[2])
+        scattered = Sequence("s", pool, range(10))        # blocks [2, 4, 5]: not one run
+        consecutive = Sequence("c", pool, range(100, 106))  # blocks [6, 7]: one run
+        assert list(scattered.block_table) == [2, 4, 5] and list(consecutive.block_table) == [6, 7]
+        scattered.extend(range(10, 12))                   # fills block 5 from offset 2
+        assert pool.read(5) == [8, 9, 10, 11] and pool.read(7) == [104, 105, None, None]
+        assert scattered.read() == list(range(12)) and consecutive.read() == list(range(100, 106))
+
+    def test_a_write_that_would_spill_out_of_its_block_is_refused(self):
+        pool = BlockAllocator(4, 4)
+        blocks = pool.allocate_many(2)
+        table = BlockTable(4, blocks[:1])
+        with pytest.raises(IndexError, match="outside"):
+            table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
+        refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
+                [], match="3 tokens for 2 slots")
+        pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
+        assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
+        assert pool.kv_cache.slots == {2: 1, 3: 2}        # slot = block * block_size + offset
+
+    def test_an_empty_sequence_takes_no_blocks(self):
+        for pool in (BlockAllocator(2), PrefixCachingAllocator(2)):
+            seq = Sequence("e", pool)
+            assert len(seq.block_table) == 0 and pool.num_used == 0 and seq.read() == []
+            seq.append(5)
+            assert pool.num_used == 1 and seq.read() == [5]
 
 
-def test_the_optimum_beats_lru_and_fifo_when_both_evict_the_block_needed_next():
-    # At [C] both LRU and FIFO evict A; the optimum evicts B (never used again) and hits A.
-    requests = trace([0], [1], [2], [0])
-    hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
-            for policy in ("lru", "fifo", "optimal")}
-    assert hits == {"lru": 0, "fifo": 0, "optimal": 1}
+class TestSequences:
+    """Part 2: block tables and sequences."""
+
+    def test_block_table_slot_worked_example(self):
+        table = BlockTable(16, [7, 2])
+        assert list(table) == [7, 2] and len(table) == 2 and table[1] == 2
+        assert table.slot(0) == (7, 0) and table.slot(17) == (2, 1) and table.slot(31) == (2, 15)
+        assert BlockTable(4, [3, 0, 5]).slot_mapping(6, 9) == [2, 3, 20]  # the docstring's
+        assert table.slot_mapping(15, 18) == [7 * 16 + 15, 2 * 16, 2 * 16 + 1]
+        for bad in (-1, 32, "3"):
+            with pytest.raises(IndexError, match="outside"):
+                table.slot(bad)
+
+    def test_sequence_allocates_only_what_it_needs(self):
+        pool = BlockAllocator(10)
+        seq = Sequence("a", pool, range(33))
+        assert (seq.seq_id, len(seq), seq.tokens) == ("a", 33, list(range(33)))
+        assert len(seq.block_table) == 3 and pool.num_used == 3
+        assert Sequence("empty", pool).block_table == [] and pool.num_used == 3
+
+    @pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+    def test_block_boundary_off_by_one(self, block_size):
+        # Exactly k * block_size tokens need k blocks; one more token needs k + 1; and the
+        # new block appears on the token that starts it, by prompt, append or extend.
+        pool = BlockAllocator(64, block_size)
+        for k in (1, 2, 3):
+            assert len(Sequence("p", pool, range(k * block_size)).block_table) == k
+            assert len(Sequence("q", pool, range(k * block_size + 1)).block_table) == k + 1
+        by_append, by_extend = Sequence("a", pool), Sequence("e", pool)
+        for n in range(1, 2 * block_size + 2):
+            by_append.append(n)
+            by_extend.extend([n])
+            assert len(by_append.block_table) == len(by_extend.block_table) == -(-n // block_size)
+            block, offset = by_append.block_table.slot(n - 1)
+            assert block == by_append.block_table[(n - 1) // block_size]
+            assert offset == (n - 1) % block_size and pool.read(block)[offset] == n
+        assert by_append.read() == by_extend.read() == list(range(1, 2 * block_size + 2))
+
+    def test_extend_crosses_several_blocks_in_one_call(self):
+        pool = BlockAllocator(10, 3)
+        seq = Sequence("a", pool, [1])
+        seq.extend(range(2, 12))  # 11 tokens: 4 blocks
+        assert len(seq.block_table) == 4 and seq.read() == list(range(1, 12))
+        check_invariants(pool, [seq])
+
+    @pytest.mark.parametrize("bad, exception", [
+        ("a", TypeError), (-1, ValueError), (True, TypeError), (1.0, TypeError), (None, TypeError)])
+    def test_bad_token_ids_are_refused_and_change_nothing(self, bad, exception):
+        pool = BlockAllocator(4, 4)
+        seq = Sequence("a", pool, [1, 2])
+        refused(lambda: Sequence("b", pool, [3, bad]), exception, pool, [seq], match="token ids")
+        refused(lambda: seq.append(bad), exception, pool, [seq], match="token ids")
+        refused(lambda: seq.extend([3, 4, 5, bad]), exception, pool, [seq], match="token ids")
+        assert seq.read() == [1, 2]
+
+    def test_sequence_needs_a_pool_and_iterable_tokens(self):
+        with pytest.raises(TypeError, match="BlockAllocator"):
+            Sequence("a", object())
+        with pytest.raises(TypeError):
+            Sequence("a", BlockAllocator(2), 5)
+
+    def test_use_after_free_is_refused(self):
+        pool = BlockAllocator(4)
+        seq = Sequence("a", pool, range(20))
+        seq.free()
+        assert pool.num_free == 4 and seq.block_table == []
+        for use in (lambda: seq.append(1), lambda: seq.extend([1]), seq.read, seq.free,
+                    lambda: seq.fork("b"), lambda: share_prefix(seq, "b", 3)):
+            refused(use, ValueError, pool, [seq], match="was freed")
+
+    def test_a_failed_prompt_extend_or_copy_changes_nothing(self):
+        pool = BlockAllocator(4, 4)
+        a = Sequence("a", pool, range(10))   # 3 blocks, the last one half full
+        b = a.fork("b")                      # shares all three
+        refused(lambda: Sequence("c", pool, range(5)), OutOfBlocksError, pool, [a, b])
+        refused(lambda: a.extend(range(7)), OutOfBlocksError, pool, [a, b])  # copy + 1 block
+        Sequence("d", pool, [1])             # the pool is now full
+        refused(lambda: b.append(1), OutOfBlocksError, pool, [a, b])  # needs a copy
+        refused(lambda: a.extend([1, 2, 3]), OutOfBlocksError, pool, [a, b])
+        assert a.read() == b.read() == list(range(10))
 
 
-def test_with_room_for_everything_every_policy_reaches_the_ceiling():
-    requests = trace([0, 1], [0, 1, 2], [3], [0, 1, 2, 4], [3, 5])
-    ceiling, total = trace_ceiling(requests)
-    assert (ceiling, total) == (2 + 3 + 1, 2 + 3 + 1 + 4 + 2)
-    for policy in ("lru", "fifo", "optimal"):
-        pool = replay_trace(requests, 100, policy, block_size=2)
-        assert (pool.hits, pool.hits + pool.misses, pool.evictions) == (ceiling, total, 0)
+class TestSharing:
+    """Part 3: sharing a prefix, and copy-on-write."""
+
+    def test_free_shared_block_keeps_it_for_the_other_holder(self):
+        pool = BlockAllocator(4)
+        a = Sequence("a", pool, range(20))
+        b = a.fork("b")
+        a.free()
+        assert [pool.refcount(x) for x in b.block_table] == [1, 1] and pool.num_used == 2
+        assert b.read() == list(range(20))
+        fresh = Sequence("c", pool, range(100, 132))  # takes only the two free blocks
+        assert set(fresh.block_table).isdisjoint(b.block_table) and b.read() == list(range(20))
+        check_invariants(pool, [b, fresh])
+
+    @pytest.mark.parametrize("block_size", [3, 16, 32])
+    def test_cow_on_divergence(self, block_size):
+        pool = BlockAllocator(8, block_size)
+        prompt = list(range(block_size + 2))  # one full block and a partial one
+        a = Sequence("a", pool, prompt)
+        b = a.fork("b")
+        shared_tail = a.block_table[-1]
+        b.append(1000)
+        assert b.block_table[-1] != shared_tail and a.block_table[-1] == shared_tail
+        assert b.block_table[0] == a.block_table[0]            # the full block stays shared
+        assert pool.read(shared_tail)[len(prompt) % block_size] is None  # a's memory untouched
+        assert a.read() == prompt and b.read() == prompt + [1000]
+        refs = [pool.refcount(x) for x in (a.block_table[0], shared_tail, b.block_table[-1])]
+        assert refs == [2, 1, 1]
+        assert pool.num_copies == 1
+        a.append(2000)  # a is now the tail's only holder: writes in place, no copy
+        assert a.block_table[-1] == shared_tail and pool.num_copies == 1
+        check_invariants(pool, [a, b])
+
+    def test_fork_at_a_block_boundary_copies_nothing(self):
+        pool = BlockAllocator(8, 4)
+        a = Sequence("a", pool, range(8))  # exactly two full blocks
+        b = a.fork("b")
+        a.append(1)
+        b.append(2)
+        assert pool.num_copies == 0 and a.block_table[:2] == b.block_table[:2]
+        assert a.block_table[2] != b.block_table[2]
+        check_invariants(pool, [a, b])
+
+    def test_fork_mid_block_copies_once_per_writer_while_shared(self):
+        pool = BlockAllocator(16, 4)
+        a = Sequence("a", pool, range(6))
+        forks = [a.fork(i) for i in range(3)]   # the tail block has 4 holders
+        for i, seq in enumerate(forks):
+            seq.append(i)
+        assert pool.num_copies == 3
+        a.append(9)                             # a is the last holder: no copy
+        assert pool.num_copies == 3
+        check_invariants(pool, [a, *forks])
+
+    def test_share_prefix_references_the_source_blocks_including_a_partial_one(self):
+        pool = BlockAllocator(8, 4)
+        src = Sequence("src", pool, range(10))            # blocks [x, y, z], z holds 2
+        mid = share_prefix(src, "mid", 5)                 # covers x fully and 1 token of y
+        assert mid.block_table == src.block_table[:2] and mid.read() == list(range(5))
+        assert [pool.refcount(x) for x in src.block_table] == [2, 2, 1]
+        mid.append(50)                                    # y is shared: mid copies it
+        assert mid.block_table[1] != src.block_table[1] and src.read() == list(range(10))
+        assert mid.read() == [0, 1, 2, 3, 4, 50]
+        whole, empty = share_prefix(src, "all"), share_prefix(src, "none", 0)
+        assert whole.read() == list(range(10)) and empty.block_table == []
+        check_invariants(pool, [src, mid, whole, empty])
+
+    @pytest.mark.parametrize("num_tokens, exception", [
+        (-1, ValueError), (11, ValueError), ("3", TypeError), (2.0, TypeError)])
+    def test_share_prefix_rejects_bad_lengths(self, num_tokens, exception):
+        pool = BlockAllocator(8, 4)
+        src = Sequence("src", pool, range(10))
+        refused(lambda: share_prefix(src, "x", num_tokens), exception, pool, [src],
+                match="num_tokens")
+
+    def test_counting_physical_blocks_counts_shared_ones_once(self):
+        pool = BlockAllocator(64)
+        root = Sequence("root", pool, range(64))         # 4 blocks
+        users = [share_prefix(root, i) for i in range(10)]
+        for i, seq in enumerate(users):
+            seq.extend([i] * 20)                          # 2 new blocks each (20 tokens)
+        assert pool.num_used == 4 + 10 * 2
+        assert sum(len(seq.block_table) for seq in [root, *users]) == 4 + 10 * 6
+        check_invariants(pool, [root, *users])
 
 
-def test_trace_prompt_worked_example_and_scale():
-    request = TraceRequest(0, 1100, 512, [7, 9, 3])  # 2 full ids and 76 tokens
-    assert trace_prompt(request, 4) == [28, 29, 30, 31, 36, 37, 38, 39, 12]
-    assert len(trace_prompt(request, 16)) == 2 * 16 + 2  # 76 * 16 // 512 = 2, never full
-    assert len(trace_prompt(request, 1)) == 2                # block size 1: no partial token
+class TestChecks:
+    """Part 4: the checks fail when they should; the randomized oracle test."""
+
+    def test_check_invariants_names_each_broken_invariant(self):
+        pool = BlockAllocator(8, 4)
+        a = Sequence("a", pool, range(6))
+        b = a.fork("b")
+        check_invariants(pool, [a, b])
+        with pytest.raises(AssertionError, match="ref-count != block-table references"):
+            check_invariants(pool, [a])                   # b's references look like a leak
+        pool.ref_cnt[a.block_table[0]] += 1
+        with pytest.raises(AssertionError, match="ref-count != block-table references"):
+            check_invariants(pool, [a, b])
+        pool.ref_cnt[a.block_table[0]] -= 1
+        pool.kv_cache.write([a.block_table[1] * 4], [77])  # a write that skipped copy-on-write
+        with pytest.raises(AssertionError, match="read-back"):
+            check_invariants(pool, [a, b])
+        pool.kv_cache.write([a.block_table[1] * 4], [4])
+        pool.free_block_ids.append(a.block_table[0])      # a block both used and free
+        with pytest.raises(AssertionError, match="free list"):
+            check_invariants(pool, [a, b])
+        pool.free_block_ids.pop()
+        a.block_table.pop()
+        with pytest.raises(AssertionError, match="block count"):
+            check_invariants(pool, [a, b])
+
+    def test_append_copies_after_a_raw_share_of_the_last_block(self):
+        # A reference taken by pool.share, outside any sequence, must make append copy,
+        # whatever the sequence did before (a cached "my tail is private" once went stale).
+        for prompt in ([1], [1, 2]):                       # the last block stays partly full
+            pool = BlockAllocator(4, 4)
+            a = Sequence("a", pool, prompt)
+            a.append(3)
+            tail = pool.share(a.block_table[-1])
+            seen = pool.read(tail)
+            a.append(4)
+            assert a.block_table[-1] != tail and pool.read(tail) == seen and pool.num_copies == 1
+            assert a.read() == prompt + [3, 4]
+
+    def test_fuzz_notices_a_broken_copy_on_write(self, monkeypatch):
+        # The randomized test is only worth running if it catches the classic bug.
+        monkeypatch.setattr(BlockAllocator, "is_writable", lambda self, block: True)
+        with pytest.raises(AssertionError):
+            fuzz(BlockAllocator(12, 3), random.Random(0), 300)
+
+    @pytest.mark.parametrize("block_size", [1, 3, 5, 16])
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_random_operations_against_a_list_model(self, block_size, seed):
+        counts = fuzz(BlockAllocator(12, block_size), random.Random(seed), 1000)
+        for op in ("create", "append", "extend", "fork", "share", "raw share", "free", "refused"):
+            assert counts[op] > 0, f"the run never did {op}"
+
+    @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+    @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
+    def test_the_lab_checks_pass(self, check, block_size):
+        assert isinstance(check(block_size, 0), str)  # the check raises AssertionError if broken
+
+    def test_check_invariants_refuses_a_sequence_of_another_pool(self):
+        pool_a, pool_b = BlockAllocator(4, 4), BlockAllocator(4, 4)
+        a, b = Sequence("a", pool_a, [1, 2]), Sequence("b", pool_b, [1, 2])
+        check_invariants(pool_b, [b])
+        with pytest.raises(AssertionError, match="belongs to another pool"):
+            check_invariants(pool_b, [a])
 
 
-def test_policies_are_named_or_objects_and_optimal_needs_a_replay():
-    assert isinstance(PrefixCachingAllocator(4, 2, "fifo").evictable, FIFO)
-    assert PrefixCachingAllocator(4, 2, LRU()).num_cached == 0
-    with pytest.raises(ValueError, match="needs the future"):
-        PrefixCachingAllocator(4, 2, "optimal")
-    with pytest.raises(ValueError, match="policy must be one of"):
-        PrefixCachingAllocator(4, 2, "random")
-    with pytest.raises(ValueError, match="cannot hold the trace's longest request"):
-        replay_trace(trace([0, 1, 2]), 2, block_size=2)
+class TestPitfalls:
+    """Part 4: the classic pitfalls, committed on purpose and caught."""
+
+    def test_each_pitfall_shows_the_harm_to_another_sequence_and_is_caught(self, capsys):
+        main(["pitfalls"])
+        out = capsys.readouterr().out
+        assert out.count("caught by check_invariants:") == 4 and "NOT CAUGHT" not in out
+        assert "b wrote [0, 1, 2]..., reads back [100, 101, 102]... (c's tokens)" in out
+        assert "b wrote 99 last, reads back 7" in out
+        assert "b wrote 100 first, reads back 99" in out
+        assert "block count: sequence 'a' holds 1 blocks for 17 tokens, needs 2" in out
+        assert "a 1-block request is refused" in out
+
+    @pytest.mark.parametrize("broken", [solution.EagerFreePool, solution.NoCopyPool,
+                                        solution.TableCountingPool])
+    def test_the_randomized_test_catches_each_broken_pool(self, broken):
+        with pytest.raises(AssertionError):
+            fuzz(broken(12, 3), random.Random(0), 300)
+
+    def test_the_pitfalls_leave_the_real_classes_exactly_as_they_were(self, capsys):
+        def members():
+            return {cls: dict(vars(cls)) for cls in (BlockAllocator, Sequence, KVCache, BlockTable)}
+        before = members()
+        main(["pitfalls"])
+        assert members() == before
+        counts = fuzz(BlockAllocator(12, 3), random.Random(1), 300)  # the real ones still work
+        assert counts["refused"] > 0
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "not JSON"),
-    ('{"timestamp": 0, "input_length": 5}', "needs the fields"),
-    ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}',
-     "input_length must be an int >= 0"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": -2, "hash_ids": [1]}',
-     "output_length must be an int >= 0"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}',
-     "hash_ids must be a list of ints >= 0"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "1"}',
-     "hash_ids must be a list"),
-    ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
-     "2 hash_ids for input_length 1025")])
-def test_a_malformed_trace_line_is_named(tmp_path, capsys, line, message):
-    path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
-                    '"hash_ids": [0]}\n' + line + "\n")
-    with pytest.raises(ValueError, match=f"t.jsonl:2: .*{re.escape(message)}"):
-        load_trace(str(path))
-    with pytest.raises(SystemExit) as stop:
-        main(["trace", str(path)])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and message in err and err.count("\n") == 1
+class TestDemos:
+    """Part 5: the demos print what the constants say they should."""
+
+    def test_default_run_prints_the_core_results(self, capsys):
+        main(["memory", "sharing"])
+        out = capsys.readouterr().out
+        s, bs = solution, BLOCK_SIZE
+        naive, paged = s.POOL_TOKENS // s.MAX_LEN, s.POOL_TOKENS // s.ACTUAL_LEN  # bs divides both
+        alone = s.NUM_REQUESTS * -(-(s.SYSTEM_LEN + s.USER_LEN) // bs)
+        shared = s.SYSTEM_LEN // bs + s.NUM_REQUESTS * -(-s.USER_LEN // bs)  # prompt: full blocks
+        for line in [
+            f"== memory efficiency: sequences that fit in a {s.POOL_TOKENS // bs}-block pool ==",
+            f"naive contiguous (reserve max_len={s.MAX_LEN})  : {naive:>4} sequences",
+            f"paged (allocate-on-demand, actual={s.ACTUAL_LEN})    : {paged:>4} sequences   "
+            f"({paged / naive:.1f}x)",
+            f"== prefix sharing: {s.NUM_REQUESTS} requests, shared {s.SYSTEM_LEN}-token system "
+            f"prompt ==",
+            f"without sharing : {alone:>5} blocks used",
+            f"with sharing    : {shared:>5} blocks used   ({alone / shared:.1f}x less; shared "
+            f"prefix stored once)",
+            "copy-on-write   : divergence forked block; refcounts correct",
+        ]:
+            assert line in out.splitlines()
+        assert max(len(line) for line in out.splitlines()) <= 100
+
+    def test_the_memory_demo_keeps_its_numbers_at_block_sizes_that_divide_its_lengths(self, capsys):
+        expected = (solution.POOL_TOKENS // solution.MAX_LEN, solution.POOL_TOKENS //
+                    solution.ACTUAL_LEN)
+        for block_size in (1, 8, 64, 256):
+            main(["memory", "--block-size", str(block_size)])
+            lines = capsys.readouterr().out.splitlines()
+            assert f"{expected[0]:>4} sequences" in lines[1] and f"{expected[1]:>4} sequences" in \
+                lines[2]
+        main(["memory", "--block-size", "3"])
+        assert "at block size 3, MAX_LEN=2048 takes 683 blocks" in capsys.readouterr().out
 
 
-def test_trace_without_a_path_or_file_says_where_to_get_one(capsys):
-    for argv in (["trace"], ["trace", "/no/such/file.jsonl"]):
+class TestPrefixCache:
+    """Part 6: automatic prefix caching."""
+
+    def test_cache_hits_and_misses_on_an_exact_scenario(self):
+        pool = PrefixCachingAllocator(16, 4)
+        assert (pool.hits, pool.misses, pool.hit_rate, pool.num_cached) == (0, 0, 0.0, 0)
+        a = Sequence("a", pool, range(10))            # 2 full blocks (misses) + a partial
+        assert (pool.hits, pool.misses) == (0, 2)
+        b = Sequence("b", pool, [*range(8), 50, 51, 52, 53, 54])  # 2 hits, 1 miss, a partial
+        assert (pool.hits, pool.misses) == (2, 3) and pool.hit_rate == 2 / 5
+        assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+        assert [pool.refcount(x) for x in a.block_table] == [2, 2, 1]
+        assert pool.num_used == 5 and b.read() == [*range(8), 50, 51, 52, 53, 54]
+        check_invariants(pool, [a, b])
+
+    def test_a_freed_cached_block_is_revived_not_recomputed(self):
+        pool = PrefixCachingAllocator(8, 4)
+        first = Sequence("first", pool, range(9))
+        blocks = list(first.block_table)
+        first.free()
+        assert pool.num_cached == 2 and pool.num_free == 8   # evictable blocks count as free
+        again = Sequence("again", pool, range(9))
+        assert again.block_table[:2] == blocks[:2] and pool.hits == 2 and pool.num_cached == 0
+        assert again.read() == list(range(9)) and pool.num_free == 8 - 3
+        check_invariants(pool, [again])
+
+    def test_blocks_filled_by_appended_tokens_are_cached_too(self):
+        pool = PrefixCachingAllocator(8, 4)
+        seq = Sequence("a", pool, [1, 2])
+        for token in (3, 4, 5, 6, 7, 8):
+            seq.append(token)
+        seq.free()
+        assert pool.num_cached == 2
+        assert Sequence("b", pool, range(1, 9)).block_table[:2] == [0, 1] and pool.hits == 2
+
+    def test_partial_blocks_are_never_reused(self):
+        pool = PrefixCachingAllocator(8, 4)
+        a = Sequence("a", pool, range(6))             # one full block, one partial
+        b = Sequence("b", pool, range(6))
+        assert pool.hits == 1 and b.block_table[1] != a.block_table[1]
+        assert len(pool.cached_block_hash_to_block) == 1
+
+    def test_equal_blocks_after_a_different_history_never_match(self):
+        pool = PrefixCachingAllocator(8, 4)
+        a = Sequence("a", pool, [1, 2, 3, 4, 9, 9, 9, 9])
+        b = Sequence("b", pool, [5, 6, 7, 8, 9, 9, 9, 9])
+        assert pool.hits == 0 and set(a.block_table).isdisjoint(b.block_table)
+        second = [pool.block_hash[seq.block_table[1]] for seq in (a, b)]
+        assert hash_block_tokens(None, [9] * 4) != second[0] != second[1]
+        a.free()
+        c = Sequence("c", pool, [9, 9, 9, 9])         # block 2 of a as a first block: no match
+        assert pool.hits == 0 and c.read() == [9, 9, 9, 9]
+
+    def test_lru_evicts_the_least_recently_freed_prompt_first(self):
+        pool = PrefixCachingAllocator(4, 2)
+        Sequence("a", pool, [1, 1, 2, 2]).free()      # blocks 0, 1 cached
+        Sequence("b", pool, [3, 3, 4, 4]).free()      # blocks 2, 3 cached; a is older
+        Sequence("c", pool, [5, 5])                   # evicts one of a's blocks
+        assert pool.evictions == 1
+        Sequence("b2", pool, [3, 3, 4, 4])            # b survived
+        assert pool.hits == 2
+
+    def test_a_hit_refreshes_recency(self):
+        pool = PrefixCachingAllocator(4, 2)
+        Sequence("a", pool, [1, 1, 2, 2]).free()
+        Sequence("b", pool, [3, 3, 4, 4]).free()
+        Sequence("a again", pool, [1, 1, 2, 2]).free()  # revived, then freed: a is now newest
+        Sequence("c", pool, [5, 5, 6, 6])               # evicts two blocks: b's
+        hits = pool.hits
+        Sequence("a third time", pool, [1, 1, 2, 2])
+        assert pool.hits - hits == 2 and pool.evictions == 2
+
+    def test_a_sequence_is_evicted_tail_first(self):
+        pool = PrefixCachingAllocator(3, 2)
+        a = Sequence("a", pool, [1, 1, 2, 2, 3, 3])     # 3 cached blocks
+        keys = [pool.block_hash[block] for block in a.block_table]
+        a.free()                                        # tail first: the tail is the oldest
+        Sequence("b", pool, [7, 7]).free()              # evicts one block: a's tail
+        assert pool.evictions == 1
+        assert [key in pool.cached_block_hash_to_block for key in keys] == [True, True, False]
+        hits = pool.hits
+        Sequence("a again", pool, [1, 1, 2, 2, 3, 3])   # the prefix survived
+        assert pool.hits - hits == 2
+
+    def test_never_cached_free_blocks_go_before_evicting(self):
+        pool = PrefixCachingAllocator(4, 2)
+        Sequence("a", pool, [1, 1, 2]).free()           # block 0 cached, block 1 plain free
+        Sequence("b", pool, [5, 5, 6, 6])               # blocks 1, 2 (the never-cached ones)
+        assert pool.evictions == 0 and pool.num_cached == 1
+
+    def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks(self):
+        pool = PrefixCachingAllocator(4, 2)
+        Sequence("a", pool, [1, 1, 2, 2, 3, 3]).free()  # 3 cached, evictable blocks
+        keep = Sequence("keep", pool, [9])              # 1 in use; free: 3, all cached
+        # 2 hits revived + 2 new blocks = 4 > 3 free: refused, counters and cache untouched.
+        refused(lambda: Sequence("b", pool, [1, 1, 2, 2, 8, 8, 8]), OutOfBlocksError, pool, [keep])
+        assert (pool.hits, pool.misses, pool.evictions) == (0, 3, 0)
+        fits = Sequence("c", pool, [1, 1, 2, 2, 8])     # 2 hits + 1 evicted block: fits
+        assert pool.hits == 2 and pool.evictions == 1 and fits.read() == [1, 1, 2, 2, 8]
+        check_invariants(pool, [keep, fits])
+
+    def test_fork_and_share_prefix_keep_copy_on_write_on_a_caching_pool(self):
+        pool = PrefixCachingAllocator(16, 4)
+        a = Sequence("a", pool, range(6))
+        b = a.fork("b")
+        b.append(100)
+        assert pool.num_copies == 1 and a.read() == list(range(6))
+        c = share_prefix(a, "c", 5)
+        c.extend([7, 7, 7])                            # fills c's copy of block 1: cached
+        assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and c.block_table[1] in pool.block_hash
+        check_invariants(pool, [a, b, c])
+
+    def test_a_cached_block_is_never_written_even_with_one_holder(self):
+        pool = PrefixCachingAllocator(8, 4)
+        src = Sequence("src", pool, range(8))           # two full, cached blocks
+        part = share_prefix(src, "part", 6)             # covers block 1 only partly
+        src.free()                                      # part is block 1's only holder
+        part.append(99)                                 # must copy: block 1 is cached
+        assert pool.num_copies == 1 and part.read() == [0, 1, 2, 3, 4, 5, 99]
+        again = Sequence("again", pool, range(8))       # the cached KV is intact
+        assert pool.hits == 2 and again.read() == list(range(8))
+        check_invariants(pool, [part, again])
+
+    @pytest.mark.parametrize("block_size", [1, 2, 3, 16])
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_random_operations_on_a_caching_pool(self, block_size, seed):
+        pool = PrefixCachingAllocator(12, block_size)
+        counts = fuzz(pool, random.Random(seed), 1000)
+        assert counts["create"] > 0 and counts["refused"] > 0
+        assert pool.hits > 0 and pool.evictions > 0
+
+
+class TestPreemption:
+    """Part 7: preemption by recompute or swap, and a scheduler that ends."""
+
+    @pytest.mark.parametrize("policy", ["recompute", "swap"])
+    @pytest.mark.parametrize("block_size", [1, 3, 16])
+    def test_both_policies_finish_every_request_with_its_tokens(self, policy, block_size):
+        requests = preemption_workload(seed=block_size, num_requests=6)
+        stats = serve(policy, requests, 512 // block_size, 256 // block_size, block_size)
+        assert stats.preemptions > 0
+
+    def test_counters_match_a_hand_computed_case(self):
+        # bs 2, 4 GPU blocks; A and B: 2-token prompts, 3 tokens to generate. Step 0 admits
+        # both and each takes a second block; step 2 A needs a fifth block: B (last step 1)
+        # is the victim, 4 tokens in 2 blocks. A finishes; step 3 B comes back.
+        requests = [Request(0, [1, 2], 3, 0), Request(1, [3, 4], 3, 0)]
+        recompute = serve("recompute", requests, 4, 4, 2)
+        assert (recompute.preemptions, recompute.recomputed_tokens, recompute.steps) == (1, 4, 4)
+        assert recompute.swapped_out_blocks == recompute.swapped_in_blocks == 0
+        swap = serve("swap", requests, 4, 4, 2)
+        assert (swap.preemptions, swap.recomputed_tokens, swap.steps) == (1, 0, 4)
+        assert swap.swapped_out_blocks == swap.swapped_in_blocks == 2 and swap.host_fallbacks == 0
+        assert recompute.preempted_blocks == swap.preempted_blocks == 2
+        rate, latency = solution.PREFILL_TOKENS_PER_S[0], solution.TRANSFER_LATENCY_S[0]
+        assert recompute.recompute_seconds(rate) == 4 / rate and swap.recompute_seconds(rate) == 0
+        assert swap.swap_seconds(2, 1, latency) == 4 * solution.block_copy_seconds(2, 1, latency)
+
+    def test_the_victim_is_the_least_recently_used(self):
+        assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=1) == 2
+        assert lru_victim({0: 5, 1: 3, 2: 4}, exclude=0) == 1
+        assert lru_victim({0: 7, 1: 7, 2: 7}, exclude=0) == 2  # a tie: the latest arrival
+
+    def test_the_scheduler_preempts_the_request_stepped_longest_ago(self):
+        gpu, host = BlockAllocator(3, 2), BlockAllocator(4, 2)
+        scheduler = Scheduler(gpu, host, "recompute")
+        prompts = {0: [0, 0], 1: [1, 1], 2: [2]}               # the pool is full; 2 has room
+        for req_id, prompt in prompts.items():
+            scheduler.running[req_id] = Sequence(req_id, gpu, prompt)
+        scheduler.last_step.update({0: 9, 1: 3, 2: 8})       # 1 is the oldest
+        scheduler._decode({r: len(p) + 5 for r, p in prompts.items()}, step=10)
+        assert 1 in scheduler.preempted and set(scheduler.running) == {0, 2}
+
+    def test_a_full_host_pool_falls_back_to_recompute(self):
+        requests = preemption_workload(seed=1, num_requests=10)
+        stats = serve("swap", requests, 1024 // 16, 2, 16)    # room for 2 host blocks only
+        assert stats.host_fallbacks > 0 and stats.recomputed_tokens > 0
+        assert stats.preemptions >= stats.host_fallbacks
+
+    def test_a_victim_holding_a_shared_block_is_recomputed_not_swapped(self):
+        gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
+        scheduler = Scheduler(gpu, host, "swap")
+        parent = Sequence(0, gpu, range(6))
+        scheduler.running[1], scheduler.last_step[1] = parent.fork(1), 0
+        scheduler._preempt(1)
+        assert scheduler.stats.shared_fallbacks == 1 and host.num_used == 0
+        assert scheduler.preempted[1].host_blocks is None and parent.read() == list(range(6))
+        check_invariants(gpu, [parent])
+
+    def test_swap_out_and_in_keep_every_block_s_contents(self):
+        gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
+        seq = Sequence("a", gpu, range(10))
+        contents = [gpu.read(block) for block in seq.block_table]
+        host_blocks = swap_out(seq, host)
+        assert [host.read(block) for block in host_blocks] == contents
+        tokens = list(seq.tokens)
+        seq.free()
+        Sequence("filler", gpu, range(100, 108))        # the old GPU blocks get reused
+        back = swap_in("a", tokens, host_blocks, host, gpu)
+        assert [gpu.read(block) for block in back.block_table] == contents
+        assert back.read() == list(range(10)) and host.num_used == 0
+        back.append(10)
+        assert back.read() == list(range(11))
+
+    def test_scheduler_rejects_bad_policies_and_requests_that_never_fit(self):
+        with pytest.raises(ValueError, match="policy"):
+            Scheduler(BlockAllocator(4), BlockAllocator(4), "drop")
+        with pytest.raises(ValueError, match="plain BlockAllocator"):
+            Scheduler(PrefixCachingAllocator(4), BlockAllocator(4), "swap")
+        scheduler = Scheduler(BlockAllocator(2, 2), BlockAllocator(2, 2), "swap")
+        with pytest.raises(ValueError, match="can never run"):
+            scheduler.run([Request(0, [1, 2, 3], 5, 0)])
+
+    def test_a_swap_run_moves_exactly_the_blocks_the_recompute_run_preempted(self):
+        # evict_runs derives swap's traffic from recompute runs: 2 x the victims' blocks. That
+        # holds only if a swap run (host pool as large as the GPU's) preempts the same victims.
+        for block_size in (1, 16, 64):
+            requests = preemption_workload(seed=7)
+            recompute = run_policy("recompute", block_size, requests)
+            swap = run_policy("swap", block_size, requests, host_tokens=solution.GPU_KV_TOKENS)
+            assert swap.host_fallbacks == swap.shared_fallbacks == swap.recomputed_tokens == 0
+            assert swap.swapped_out_blocks == swap.swapped_in_blocks == recompute.preempted_blocks
+            assert swap.preemptions == recompute.preemptions > 0
+        rows = evict_runs([7], block_sizes=(1, 16, 64))[7]
+        assert [(row[0], row[3]) for row in rows] == [
+            (size, run_policy("recompute", size, requests).preempted_blocks)
+            for size in (1, 16, 64)]
+
+    def test_the_20_percent_verdict_agrees_with_the_printed_ratios(self, capsys, monkeypatch):
+        # A ratio of 1.204 prints as 1.20 and must count as inside "never higher than 20%";
+        # 1.206 prints as 1.21 and must not. The verdicts count rows of the printed table.
+        for ratio, holds in ((1.204, 8), (1.206, 0)):
+            monkeypatch.setattr(solution, "evict_ratios", lambda runs, *setting, r=ratio: {
+                1: [0.5], 16: [1.0], 64: [r], 256: [1.1]})
+            compare_with_paper({0: []})
+            out = capsys.readouterr().out
+            assert f"{ratio:.2f}" in out
+            assert f"at every size: holds in {holds} of 8 rows" in out
+            assert f"small blocks favour recompute, large ones swap: holds in 8 of 8 rows" in out
+
+    def test_evict_prints_the_quote_and_every_block_size(self, capsys):
+        main(["evict"])
+        out = capsys.readouterr().out
+        assert "recomputation overhead is never higher than 20% of swapping's latency" in \
+            " ".join(out.split())
+        assert f"over {solution.EVICT_SEEDS} seeds" in out
+        header = next(line for line in out.splitlines() if "copies  prefill/s" in line)
+        assert header.split()[3:] == [str(size) for size in solution.EVICT_SIZES]
+
+    @pytest.mark.parametrize("gpu, requests, message", [
+        (BlockAllocator(1, 4), [Request(0, [1, 2], 2, 0)], "request 0 can never run"),
+        (BlockAllocator(200, 1), [Request(0, list(range(199)), 1, 0)], "request 0 can never run"),
+        (BlockAllocator(2, 2), [Request(0, [1], 3, 0), Request(1, [], 1, 1)],
+         "request 0 can never run"),
+        (BlockAllocator(8, 2), [Request(0, [1], -1, 0)], "max_tokens must be an int >= 0"),
+        (BlockAllocator(8, 2), [Request(0, [1], 1.5, 0)], "max_tokens must be an int >= 0"),
+        (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request(0, [2], 1, 0)], "duplicate req_id"),
+        (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids")])
+    def test_the_scheduler_refuses_what_can_never_run_before_changing_anything(self, gpu, requests,
+                                                                               message):
+        host = BlockAllocator(4, gpu.block_size)
+        run = Scheduler(gpu, host, "recompute")
+        refused(lambda: run.run(requests, max_steps=1000), ValueError, gpu, [], match=message)
+        assert run.finished == {} and run.running == {} and host.num_used == 0
+
+    def test_swap_needs_a_host_pool_of_the_same_block_size(self):
+        with pytest.raises(ValueError, match="needs a host pool"):
+            scheduler(8, None, policy="swap")
+        with pytest.raises(ValueError, match="block size 2"):
+            Scheduler(BlockAllocator(8, 2), BlockAllocator(8, 4), "swap")
+
+    def test_max_tokens_zero_finishes_with_its_prompt(self):
+        run = scheduler(8, 4)
+        assert run.run([Request(0, [5, 6, 7], 0, 0), Request(1, [], 0, 3)], max_steps=100) == {
+            0: [5, 6, 7], 1: []}
+        assert run.gpu.num_free == run.gpu.num_blocks
+
+    def test_idle_steps_are_skipped_to_the_next_arrival(self):
+        run = scheduler(8, 4)
+        finished = run.run([Request(0, [1], 2, 10**6)], max_steps=10**6 + 10)
+        assert finished == {0: expected_tokens(Request(0, [1], 2, 10**6))}
+        assert run.stats.steps == 10**6 + 2
+
+    def test_a_stalled_scheduler_raises_instead_of_looping(self, monkeypatch):
+        run = scheduler(8, 4)
+        monkeypatch.setattr(Scheduler, "_fits", lambda self, num_blocks: False)  # admits nothing
+        with pytest.raises(RuntimeError, match="no request can resume, be admitted or decode"):
+            run.run([Request(0, [1], 2, 0)], max_steps=1000)
+
+
+class TestSamplingAndBeams:
+    """Part 8: parallel sampling and beam search."""
+
+    def test_parallel_sampling_off_a_block_boundary_copies_once_per_writer_but_the_last(self):
+        forked = parallel_sampling(6, 3, 4, block_size=4)     # prompt: 1 full block + 2 tokens
+        alone = parallel_sampling(6, 3, 4, share=False, block_size=4)
+        assert forked.copies == 2 and alone.copies == 0
+        assert forked.used[0] == 2 and forked.used[-1] == 1 + 3 + 3  # shared, 3 tails, 3 new
+        assert alone.used[0] == 6 and alone.used[-1] == 9
+        assert forked.entries == alone.used    # table entries = what copies would hold
+        assert 0 < saving([forked]) == 1 - sum(forked.used) / sum(alone.used)
+
+    def test_parallel_sampling_on_a_block_boundary_copies_nothing(self):
+        forked = parallel_sampling(8, 3, 4, block_size=4)     # prompt: exactly 2 blocks
+        assert forked.copies == 0 and forked.used == [2, 5, 5, 5, 5] and forked.peak == 5
+
+    @pytest.mark.parametrize("block_size", [1, 3, 16])
+    @pytest.mark.parametrize("width", [1, 3, 5])
+    def test_beam_search_beams_read_back_their_histories_and_the_pool_ends_whole(
+            self, block_size, width):
+        # check=True compares every beam with its plain-list history and checks every
+        # invariant after every step (so pruned beams must have returned their blocks);
+        # beam_search itself checks the pool is whole after the last free.
+        run = beam_search(7, width, 40, block_size=block_size, check=True)
+        alone = beam_search(7, width, 40, share=False, block_size=block_size, check=True)
+        assert len(run.used) == len(alone.used) == 41 and alone.copies == 0
+        assert run.entries == alone.used == alone.entries  # the baseline measured in one run
+        assert all(f <= a for f, a in zip(run.used, alone.used))
+        if width > 1:
+            assert run.mean < alone.mean
+
+    def test_beam_search_picture_shows_shared_blocks_with_their_ref_counts(self):
+        picture = beam_search(10, 4, 8, block_size=4, picture_step=6).picture
+        assert len(picture) == 4
+        assert all("[  0:4]" in line for line in picture)  # the prompt's first block, 4 beams
+
+    def test_degenerate_arguments_name_the_argument(self):
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
+            parallel_sampling(10, 0, 5)
+        with pytest.raises(ValueError, match="width must be an int >= 1"):
+            beam_search(10, 0, 5)
+        with pytest.raises(TypeError, match="output_len must be an int"):
+            beam_search(10, 2, 5.0)
+
+
+class TestSweep:
+    """Part 9: the block-size sweep."""
+
+    @pytest.mark.parametrize("block_size", [1, 2, 4, 8])
+    def test_fragmentation_is_zero_when_every_length_is_a_multiple_of_the_block_size(
+            self, block_size):
+        row = measure_block_size(workload([(8, 8), (16, 0), (3, 5), (24, 16)], 64), block_size)
+        assert row.fragmentation == 0
+
+    def test_fragmentation_block_tables_and_fit_on_a_hand_computed_case(self):
+        # block size 4: 5 tokens -> 2 blocks (3 slots unused), 4 tokens -> 1 block,
+        # 9 tokens -> 3 blocks (3 unused): 6 blocks, 24 slots, 18 tokens.
+        row = measure_block_size(workload([(3, 2), (4, 0), (7, 2)], 12), 4)
+        assert row.fragmentation == 6 / 24
+        assert row.entries_per_seq == (2 + 1 + 3) / 3 and row.table_bytes == 6 * 4
+        assert row.fit == 2                       # 12 slots = 3 blocks: the first two requests
+        assert row.block_size == 4
+
+    def test_block_table_entries_are_the_ceiling_of_length_over_size(self):
+        for block_size in (1, 3, 16, 256):
+            row = measure_block_size(workload([(100, 0), (17, 0), (1, 0)], 256), block_size)
+            expected = sum(-(-n // block_size) for n in (100, 17, 1))
+            assert row.entries_per_seq * 3 == expected and row.table_bytes == 4 * expected
+
+    def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt(self):
+        # Only whole blocks of the prompt are cached: the tokens past the last full one are lost.
+        for size in (1, 2, 16, 256):
+            lost = SWEEP_SYSTEM_LEN % size
+            assert prefix_reuse_lost(size) == pytest.approx(lost / SWEEP_SYSTEM_LEN)
+        assert prefix_reuse_lost(16) > 0                  # the prompt's length is not a multiple
+
+    def test_sweet_spot_grows_the_block_until_fragmentation_reaches_the_budget(self):
+        rows = [SweepRow(size, frag, 0, 0, 0) for size, frag in
+                [(1, 0.0), (8, 0.01), (16, 0.04), (32, 0.06), (64, 0.03), (128, 0.2)]]
+        assert sweet_spot(rows) == 16             # stops at 32, though 64 dips under again
+        assert sweet_spot(rows, max_fragmentation=0.035) == 8
+        assert sweet_spot(rows, max_fragmentation=0.0) is None
+
+    def test_admit_and_generate_takes_a_whole_request_or_changes_nothing(self):
+        pool = BlockAllocator(3, 4)
+        seq = admit_and_generate("a", pool, [1, 2, 3], [4, 5])  # 5 tokens: 2 blocks
+        assert seq.read() == [1, 2, 3, 4, 5] and pool.num_used == 2
+        refused(lambda: admit_and_generate("b", pool, [6], [7, 8, 9, 10]), OutOfBlocksError,
+                pool, [seq])
+
+    def test_drawn_lengths_have_the_mean_they_name_and_stay_in_range(self):
+        rng = random.Random(0)
+        lengths = [draw_length(rng, 338, 2048) for _ in range(20_000)]
+        assert 1 <= min(lengths) and max(lengths) <= 2048
+        assert abs(sum(lengths) / len(lengths) - 338) < 10  # the exponential's mean, sampled
+        assert max(draw_length(rng, 338, 100) for _ in range(100)) == 100  # capped
+
+    def test_samples_end_at_their_own_lengths_and_free_their_blocks(self):
+        run = parallel_sampling(8, 3, [1, 4, 2], block_size=4)  # prompt: 2 full blocks
+        # steps: after 1, sample 0 is done and freed; after 2, sample 2; after 4, sample 1.
+        assert run.used == [2, 5, 4, 3, 3] and run.entries == [6, 9, 6, 3, 3]
+        with pytest.raises(ValueError, match="2 lengths for n=3"):
+            parallel_sampling(8, 3, [1, 4], block_size=4)
+
+    def test_sweep_workloads_are_seeded_and_overflow_their_budget(self):
+        first, again = sweep_workloads(), sweep_workloads()
+        assert [w.requests for w in first] == [w.requests for w in again]
+        for w in first:
+            assert sum(len(p) + len(o) for p, o in w.requests) > w.kv_slots
+
+
+class TestBench:
+    """Part 10: the benchmark section."""
+
+    def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(self, capsys):
+        demo_bench(pools=(100, 200), repeats=1)
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("== bench") and len(lines) == 16 + 2  # a row per pool in 3.
+        for label in ("append, per token", "allocate + free", "fork + free", "cache admission, hit",
+                      "cache admission, miss", "Sequence.append", "scan / free list", "idle pool"):
+            assert any(label in line for line in lines), label
+        assert sum(line.endswith("x") for line in lines) == 6 + 2  # the ratios of 1. and 3.
+        assert any(line.endswith("x (target <= 5x)") for line in lines)
+        assert any("x plain append (target <= 2x" in line for line in lines)
+        assert any("largest/smallest <= 1.3x" in line for line in lines)
+
+    def test_the_scanning_allocator_finds_the_first_free_block(self):
+        pool = ScanningAllocator(5, num_used=3)
+        assert pool.allocate() == 3 and pool.allocate() == 4
+        pool.free(3)
+        assert pool.allocate() == 3
+
+
+class TestTrace:
+    """Part 11: a real trace through the prefix cache."""
+
+    def test_lru_and_fifo_differ_on_a_hand_built_trace(self):
+        # Pool of 3 blocks, 2 per request (one id + one decode block). At [C] one cached block
+        # must go: LRU evicts B (freed longest ago), FIFO evicts A (cached longest ago), so the
+        # second [A] hits under LRU only. Hits: LRU 2, FIFO 1; the optimum also evicts B.
+        requests = trace([0], [1], [0], [2], [0])
+        hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
+                for policy in ("lru", "fifo", "optimal")}
+        assert hits == {"lru": 2, "fifo": 1, "optimal": 2}
+
+    def test_the_optimum_beats_lru_and_fifo_when_both_evict_the_block_needed_next(self):
+        # At [C] both LRU and FIFO evict A; the optimum evicts B (never used again) and hits A.
+        requests = trace([0], [1], [2], [0])
+        hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
+                for policy in ("lru", "fifo", "optimal")}
+        assert hits == {"lru": 0, "fifo": 0, "optimal": 1}
+
+    def test_with_room_for_everything_every_policy_reaches_the_ceiling(self):
+        requests = trace([0, 1], [0, 1, 2], [3], [0, 1, 2, 4], [3, 5])
+        ceiling, total = trace_ceiling(requests)
+        assert (ceiling, total) == (2 + 3 + 1, 2 + 3 + 1 + 4 + 2)
+        for policy in ("lru", "fifo", "optimal"):
+            pool = replay_trace(requests, 100, policy, block_size=2)
+            assert (pool.hits, pool.hits + pool.misses, pool.evictions) == (ceiling, total, 0)
+
+    def test_trace_prompt_worked_example_and_scale(self):
+        request = TraceRequest(0, 1100, 512, [7, 9, 3])  # 2 full ids and 76 tokens
+        assert trace_prompt(request, 4) == [28, 29, 30, 31, 36, 37, 38, 39, 12]
+        assert len(trace_prompt(request, 16)) == 2 * 16 + 2  # 76 * 16 // 512 = 2, never full
+        assert len(trace_prompt(request, 1)) == 2                # block size 1: no partial token
+
+    def test_policies_are_named_or_objects_and_optimal_needs_a_replay(self):
+        assert isinstance(PrefixCachingAllocator(4, 2, "fifo").evictable, FIFO)
+        assert PrefixCachingAllocator(4, 2, LRU()).num_cached == 0
+        with pytest.raises(ValueError, match="needs the future"):
+            PrefixCachingAllocator(4, 2, "optimal")
+        with pytest.raises(ValueError, match="policy must be one of"):
+            PrefixCachingAllocator(4, 2, "random")
+        with pytest.raises(ValueError, match="cannot hold the trace's longest request"):
+            replay_trace(trace([0, 1, 2]), 2, block_size=2)
+
+    @pytest.mark.parametrize("line, message", [
+        ("not json", "not JSON"),
+        ('{"timestamp": 0, "input_length": 5}', "needs the fields"),
+        ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}',
+         "input_length must be an int >= 0"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": -2, "hash_ids": [1]}',
+         "output_length must be an int >= 0"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}',
+         "hash_ids must be a list of ints >= 0"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "1"}',
+         "hash_ids must be a list"),
+        ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
+         "2 hash_ids for input_length 1025")])
+    def test_a_malformed_trace_line_is_named(self, tmp_path, capsys, line, message):
+        path = tmp_path / "t.jsonl"
+        path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
+                        '"hash_ids": [0]}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"t.jsonl:2: .*{re.escape(message)}"):
+            load_trace(str(path))
+        with pytest.raises(SystemExit) as stop:
+            main(["trace", str(path)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and err.count("\n") == 1
+
+    def test_trace_without_a_path_or_file_says_where_to_get_one(self, capsys):
+        for argv in (["trace"], ["trace", "/no/such/file.jsonl"]):
+            with pytest.raises(SystemExit) as stop:
+                main(argv)
+            assert stop.value.code == 2
+        assert "No such file" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(["trace"])
+        assert "kvcache-ai/Mooncake" in capsys.readouterr().err
+
+    @pytest.mark.skipif(not (TRACES / "conversation_trace.jsonl").exists(),
+                        reason="../shared/traces/ is not here")
+    def test_on_the_conversation_trace_the_optimum_bounds_lru_and_fifo(self):
+        requests = load_trace(str(TRACES / "conversation_trace.jsonl"), limit=300)
+        assert len(requests) == 300
+        ceiling, _ = trace_ceiling(requests)
+        for num_blocks in (250, 500, 1000, 2000, 4000):
+            hits = {policy: replay_trace(requests, num_blocks, policy).hits
+                    for policy in ("lru", "fifo", "optimal")}
+            assert hits["optimal"] >= max(hits["lru"], hits["fifo"])
+            assert hits["optimal"] <= ceiling
+        assert never_evicts(requests, BLOCK_SIZE).hits == ceiling
+
+
+class TestCommandLine:
+    """The command line: sections, options, knobs."""
+
+    def test_sections_run_alone_and_unknown_ones_are_refused(self, capsys):
+        main(["checks"])
+        out = capsys.readouterr().out
+        assert "correctness checks" in out and "memory efficiency" not in out
+        assert out.count(" ok\n") == len(CHECKS)
+        with pytest.raises(SystemExit):
+            main(["nonsense"])
+
+    def test_help_lists_every_section(self, capsys):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        out = capsys.readouterr().out
+        listed = " ".join(out.split()).split("any of: ")[1].split(" (default")[0]
+        assert listed.split(", ") == ["checks", "pitfalls", "memory", "sharing", "cache", "evict",
+                                      "beam", "sweep", "bench", "trace PATH"]
+        assert "--block-size N" in out and "--seed N" in out and "--requests N" in out
+
+    @pytest.mark.parametrize("block_size, seed", [(1, 0), (3, 1), (8, 2), (32, 3), (256, 4)])
+    def test_every_default_section_runs_at_odd_block_sizes_and_seeds(
+            self, capsys, block_size, seed):
+        main(["--block-size", str(block_size), "--seed", str(seed)])
+        out = capsys.readouterr().out
+        assert all(f"== {title}" in out for title in ("correctness", "memory", "prefix sharing",
+                                                       "cache", "evict", "beam", "sweep"))
+        assert max(len(line) for line in out.splitlines()) <= 100
+
+    @pytest.mark.parametrize("argv, message", [
+        (["--block-size", "0"], "--block-size: must be an int in 1..256, got 0"),
+        (["--block-size", "-3"], "--block-size: must be an int in 1..256, got -3"),
+        (["--block-size", "x"], "--block-size: must be an int in 1..256, got 'x'"),
+        (["--block-size", "257"], "got 257"),
+        (["--seed", "-1"], "--seed: must be an int >= 0, got -1"),
+        (["nonsense"], "unknown section nonsense")])
+    def test_bad_options_exit_2_with_one_line(self, capsys, argv, message):
         with pytest.raises(SystemExit) as stop:
             main(argv)
-        assert stop.value.code == 2
-    assert "No such file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["trace"])
-    assert "kvcache-ai/Mooncake" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and err.count("\n") == 1
 
-
-@pytest.mark.skipif(not (TRACES / "conversation_trace.jsonl").exists(),
-                    reason="../shared/traces/ is not here")
-def test_on_the_conversation_trace_the_optimum_bounds_lru_and_fifo():
-    requests = load_trace(str(TRACES / "conversation_trace.jsonl"), limit=300)
-    assert len(requests) == 300
-    ceiling, _ = trace_ceiling(requests)
-    for num_blocks in (250, 500, 1000, 2000, 4000):
-        hits = {policy: replay_trace(requests, num_blocks, policy).hits
-                for policy in ("lru", "fifo", "optimal")}
-        assert hits["optimal"] >= max(hits["lru"], hits["fifo"])
-        assert hits["optimal"] <= ceiling
-    assert never_evicts(requests, BLOCK_SIZE).hits == ceiling
+    @pytest.mark.parametrize("knob, value, message", [
+        ("MAX_LEN", 512, "MAX_LEN must be >= ACTUAL_LEN"),
+        ("ACTUAL_LEN", 0, "ACTUAL_LEN must be >= 1"),
+        ("HOST_KV_TOKENS", 0, "HOST_KV_TOKENS must hold one block"),
+        ("POOL_TOKENS", 1024, "POOL_TOKENS must hold one MAX_LEN request"),
+        ("GPU_KV_TOKENS", 256, "GPU_KV_TOKENS must hold"),
+        ("BEAM_WIDTHS", (), "BEAM_WIDTHS must be"),
+        ("MAX_FRAGMENTATION", 0, "MAX_FRAGMENTATION must be in (0, 1)")])
+    def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
+                                                                    value, message):
+        monkeypatch.setattr(solution, knob, value)
+        with pytest.raises(SystemExit) as stop:
+            main(["memory"])
+        out, err = capsys.readouterr()
+        assert stop.value.code == 2 and message in err and out == ""
