@@ -633,7 +633,7 @@ CHECKS = [check_block_boundary, check_free_shared, check_counting,
 def run_checks(block_size=BLOCK_SIZE, seed=None):
     print("== correctness checks ==")
     for check in CHECKS:
-        label = check(block_size, 0 if seed is None else seed)  # raises AssertionError, naming what broke
+        label = check(block_size, 0 if seed is None else seed)  # raises, naming what broke
         print(f"{label:<76} ok")
 
 
