@@ -98,12 +98,12 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def check_positive_int(value, name):
-    """Return value if it is a positive int; TypeError or ValueError naming it otherwise."""
+def check_int(value, name, low=1):
+    """The one int check: value if it is an int >= low; TypeError or ValueError naming it."""
     if type(value) is not int:
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
     return value
 
 
@@ -134,9 +134,6 @@ class KVCache:
     def block_slots(self, block):
         return range(block * self.block_size, (block + 1) * self.block_size)
 
-    def read(self, block):
-        return self.gather(self.block_slots(block))
-
 
 class BlockAllocator:
     """A fixed pool of physical blocks: a free list and a ref-count per block in use.
@@ -144,8 +141,8 @@ class BlockAllocator:
     so num_free + num_used == num_blocks. Every operation is O(1) per block."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
-        self.num_blocks = check_positive_int(num_blocks, "num_blocks")  # blocks
-        self.block_size = check_positive_int(block_size, "block_size")  # tokens per block
+        self.num_blocks = check_int(num_blocks, "num_blocks")  # blocks
+        self.block_size = check_int(block_size, "block_size")  # tokens per block
         self.kv_cache = KVCache(block_size)  # what the blocks hold
         self.ref_cnt = {}         # block -> references; only blocks in use have an entry
         self.free_block_ids = []  # blocks given back, reused last in, first out
@@ -163,8 +160,7 @@ class BlockAllocator:
     def ensure_free(self, n):
         """Raise OutOfBlocksError unless n blocks are free: the check of check-then-act."""
         if n > self.num_free:
-            raise OutOfBlocksError(f"need {n} free blocks, only {self.num_free} of "
-                                   f"{self.num_blocks} are free")
+            raise OutOfBlocksError(f"need {n} free blocks, only {self.num_free} are free")
 
     def allocate(self):
         """A free block, now with ref-count 1: the last one given back, else a new one."""
@@ -200,15 +196,15 @@ class BlockAllocator:
 
     def read(self, block):
         check_block(self, block, in_use=False)
-        return self.kv_cache.read(block)
+        return self.kv_cache.gather(self.kv_cache.block_slots(block))
 
     def is_writable(self, block):
         """Whether the holder of a reference may write block in place (no copy-on-write)."""
         return self.ref_cnt[block] == 1
 
-    # Hooks for a prefix cache (Part 6), which keeps blocks; a plain pool keeps none.
     def allocate_prompt(self, token_ids):
-        """Blocks for a new prompt, and how many leading ones already hold it (none)."""
+        """Hook for a prefix cache (Part 6), like the two below: blocks for a new prompt,
+        and how many leading ones already hold it (a plain pool remembers nothing: 0)."""
         return self.allocate_many(cdiv(len(token_ids), self.block_size)), 0
 
     def block_full(self, block, parent, token_ids):
@@ -409,11 +405,8 @@ def share_prefix(src, seq_id, num_tokens=None):
     table [a, b] (ref-counts 2 and 2) and 18 tokens. Whichever writes into b first while
     it is shared gets a private copy."""
     src._check_live()
-    if num_tokens is None:
-        num_tokens = len(src)
-    if type(num_tokens) is not int:
-        raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
-    if not 0 <= num_tokens <= len(src):
+    num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
+    if num_tokens > len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} "
                          f"(the length of sequence {src.seq_id!r})")
     seq = Sequence(seq_id, src.allocator)
@@ -1748,16 +1741,6 @@ def saving(runs):
     return 1 - used / entries
 
 
-def check_lengths(**values):
-    """Raise TypeError or ValueError naming the first value that is not an int >= its low
-    end (given as name=(value, low))."""
-    for name, (value, low) in values.items():
-        if type(value) is not int:
-            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-        if value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value}")
-
-
 def table_entries(sequences):
     return sum(len(seq.block_table) for seq in sequences)
 
@@ -1766,8 +1749,10 @@ def parallel_sampling(prompt_len, n, output_len, share=True, block_size=BLOCK_SI
     """n samples of one prompt, each decoding its own tokens and ending at its own length
     (output_len: one int for all, or a list of n); forks if share, else copies."""
     lengths = [output_len] * n if isinstance(output_len, int) else list(output_len)
-    check_lengths(prompt_len=(prompt_len, 0), n=(n, 1), block_size=(block_size, 1),
-                  **{"output_len": (length, 0) for length in lengths})
+    for value, name, low in [(prompt_len, "prompt_len", 0), (n, "n", 1),
+                             (block_size, "block_size", 1), *((length, "output_len", 0)
+                                                              for length in lengths)]:
+        check_int(value, name, low)
     if len(lengths) != n:
         raise ValueError(f"output_len has {len(lengths)} lengths for n={n} samples")
     rng = random.Random(seed)
@@ -1800,8 +1785,9 @@ def beam_search(prompt_len, width, output_len, share=True, block_size=BLOCK_SIZE
     proposes width candidates, the best width survive, a parent chosen by several
     survivors is forked, a parent chosen by none is freed. With check, every beam is
     compared with a plain-list history and every invariant is checked after every step."""
-    check_lengths(prompt_len=(prompt_len, 0), width=(width, 1), output_len=(output_len, 0),
-                  block_size=(block_size, 1))
+    for value, name, low in [(prompt_len, "prompt_len", 0), (width, "width", 1),
+                             (output_len, "output_len", 0), (block_size, "block_size", 1)]:
+        check_int(value, name, low)
     rng = random.Random(seed)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     prompt = random_tokens(rng, prompt_len)
@@ -1902,19 +1888,21 @@ def print_paper_comparison(savings, num_seeds):
     print(f"3. saved memory vs the paper (6.3), over {num_seeds} traces per cell, quoted:")
     print("\n".join(textwrap.wrap(f'"{PAPER_63["quote"]}"', 92, initial_indent="   ",
                                   subsequent_indent="   ")))
-    print("   dataset   kind      ours, width by width (n or k)         paper        "
+    print("   dataset   kind      ours, width by width (n or k)             paper       "
           "ours vs paper")
     for (name, kind), by_width in savings.items():
         low, high = PAPER_63[name, kind]
+        by_width = {width: [round(value, 3) for value in values]  # decide on what is printed
+                    for width, values in by_width.items()}
         per_seed = [[values[i] for values in by_width.values()] for i in range(num_seeds)]
         inside = sum(low <= min(seed) and max(seed) <= high for seed in per_seed)
         everything = [value for values in by_width.values() for value in values]
         where = ("inside" if low <= min(everything) and max(everything) <= high else
                  "above" if min(everything) > high else "below" if max(everything) < low
                  else "overlaps")
-        cells = "".join(f"{width}: {span(values):<11}" for width, values in by_width.items())
-        print(f"   {name:<9} {kind:<9} {cells:<38}{low * 100:.1f}-{high:.1%}  {where}, "
-              f"{inside}/{num_seeds} in")
+        cells = "".join(f"{width}: {span(values):<12}" for width, values in by_width.items())
+        paper = f"{low * 100:.1f}-{high:.1%}"
+        print(f"   {name:<9} {kind:<9} {cells:<42}{paper:<12}{where}, {inside}/{num_seeds} in")
     print("   (a cell: the range over traces; a trace's saving is over all its requests' steps;"
           " \"n/N in\":")
     print("   traces whose every width lands inside the paper's range)")
@@ -2373,7 +2361,7 @@ def load_trace(path, limit=None):
     """The first limit requests (all if None) of a Mooncake-format JSONL file. ValueError
     naming the line for anything malformed; OSError if the file cannot be read."""
     if limit is not None:
-        check_positive_int(limit, "limit")
+        check_int(limit, "limit")
     requests = []
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
@@ -2500,9 +2488,9 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE):
     with this eviction policy ("lru", "fifo", "optimal" or a policy object): admit the
     prompt (trace_prompt), append the decode tokens one at a time from a counter above
     every prompt token, free. Returns the pool (.hits, .misses, .hit_rate)."""
-    check_positive_int(block_size, "block_size")
+    check_int(block_size, "block_size")
     need = max((trace_blocks_needed(r, block_size) for r in requests), default=0)
-    if check_positive_int(num_blocks, "num_blocks") < need:
+    if check_int(num_blocks, "num_blocks") < need:
         raise ValueError(f"num_blocks {num_blocks} cannot hold the trace's longest request "
                          f"({need} blocks at block size {block_size})")
     optimal = OptimalPolicy() if policy == "optimal" else None

@@ -73,7 +73,7 @@ class TestBlockPool:
         ("4", 16, TypeError), (4.0, 16, TypeError), (4, 1.5, TypeError), (True, 16, TypeError),
         (None, 16, TypeError)])
     def test_pool_rejects_bad_sizes(self, num_blocks, block_size, exception):
-        with pytest.raises(exception, match="must be a positive int"):
+        with pytest.raises(exception, match="must be an int >= 1"):
             BlockAllocator(num_blocks, block_size)
 
     def test_allocate_until_empty_then_refuse(self):
