@@ -19,23 +19,27 @@ ones above it and ends with a demo that prints what it measured.
     Part 1  the block pool ........... KVCache (slots), BlockAllocator (free list, ref-counts)
     Part 2  block tables, sequences .. BlockTable, Sequence: grow a block at the boundary
     Part 3  sharing .................. share_prefix, fork, copy-on-write
-    Part 4  checks ................... check_invariants, a randomized oracle test
+    Part 4  checks ................... check_invariants, a randomized oracle test, pitfalls
     Part 5  demos .................... memory efficiency, prefix sharing, a block map
-    Part 6  prefix caching ........... hash-chained blocks, LRU eviction
-    Part 7  preemption ............... recompute vs swap, with a cost model
-    Part 8  parallel sampling, beams . fork and prune, copy only where beams diverge
-    Part 9  block-size sweep ......... fragmentation against block-table size
+    Part 6  prefix caching ........... hash-chained blocks, eviction policies
+    Part 7  preemption ............... recompute vs swap, a cost model, the paper's 7.3
+    Part 8  parallel sampling, beams . fork and prune; the paper's 6.3
+    Part 9  block-size sweep ......... fragmentation against block-table size; the paper's 7.2
     Part 10 benchmark ................ O(1) per operation, measured
+    Part 11 a real trace ............. LRU and FIFO against the offline optimum
 
-Run it:
-    python solution.py                  # every section, in reading order (~0.5 seconds)
+Run it (README.md has the lab: steps, questions, bugs to commit):
+    python solution.py                  # every section, in reading order (about a second)
     python solution.py cache beam       # only these sections; --help lists them
+    python solution.py --block-size 8   # any block size 1..256 (and --seed N), any section
     python solution.py bench            # timings (not part of the default run)
-    python -m pytest test_solution.py   # the tests
+    python solution.py trace PATH       # replay a Mooncake trace (not part of the default run)
+    python -m pytest test_solution.py   # the tests; test_solution.py::TestBlockPool for Part 1
 
 Where the ideas come from:
     paper:  Kwon et al., "Efficient Memory Management for Large Language Model Serving
             with PagedAttention", SOSP 2023 (arXiv 2309.06180), sections 4, 6.3, 7.2, 7.3
+            Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11)
     vLLM:   vllm/v1/core/block_pool.py        (BlockPool: free queue, ref_cnt, cache map)
             vllm/v1/core/kv_cache_utils.py    (FreeKVCacheBlockQueue, hash_block_tokens)
             vllm/v1/core/kv_cache_manager.py  (get_computed_blocks, allocate_slots)
