@@ -202,9 +202,12 @@ class BlockAllocator:
         check_block(self, block, in_use=False)
         return self.kv_cache.gather(self.kv_cache.block_slots(block))
 
-    def is_writable(self, block):
-        """Whether the holder of a reference may write block in place (no copy-on-write)."""
-        return self.ref_cnt[block] == 1
+    def copy_block(self, src):
+        """A new block holding src's slots (vLLM's copy_blocks kernel, on the GPU)."""
+        dst = self.allocate()
+        self.kv_cache.write(self.kv_cache.block_slots(dst), self.read(src))
+        self.num_copies += 1
+        return dst
 
     def allocate_prompt(self, token_ids):
         """Hook for a prefix cache (Part 6), like the two below: blocks for a new prompt,
@@ -213,6 +216,11 @@ class BlockAllocator:
 
     def block_full(self, block, parent, token_ids):
         """block, after parent (None: it is a first block), now holds token_ids in full."""
+
+    def share_tail(self, block):
+        """A reference for a new sequence that will see only the start of block: here,
+        share(block); a prefix cache hands a copy of a block it must keep intact."""
+        return self.share(block)
 
     def audit_kept(self):
         """Check the blocks a subclass keeps aside; return the free ones (a list)."""
@@ -327,7 +335,7 @@ class Sequence:
         offset = n % block_size
         if offset == 0:
             table.append(pool.allocate())               # the last block is full: a new one
-        elif not pool.is_writable(table[-1]):
+        elif pool.ref_cnt[table[-1]] > 1:
             self._copy_last_block()                     # shared: copy-on-write (Part 3)
         pool.kv_cache.slots[table[-1] * block_size + offset] = token  # write the slot
         self.tokens.append(token)
@@ -340,8 +348,8 @@ class Sequence:
         self._check_live()
         token_ids = check_tokens(tokens)
         pool, n = self.allocator, len(self.tokens)
-        copy = len(token_ids) > 0 and n % self.block_size > 0 and not pool.is_writable(
-            self.block_table[-1])
+        copy = len(token_ids) > 0 and n % self.block_size > 0 and pool.ref_cnt[
+            self.block_table[-1]] > 1
         num_new = cdiv(n + len(token_ids), self.block_size) - len(self.block_table)
         pool.ensure_free(num_new + copy)  # check, then act
         if copy:
@@ -375,13 +383,10 @@ class Sequence:
                             self.tokens[k * block_size:(k + 1) * block_size])
 
     def _copy_last_block(self):
-        """Swap our reference to the shared last block for one to a private copy (vLLM's
-        copy_blocks kernel copies the KV on the GPU)."""
-        pool, shared = self.allocator, self.block_table[-1]
-        self.block_table[-1] = pool.allocate()  # may raise: nothing changed yet
-        pool.kv_cache.write(pool.kv_cache.block_slots(self.block_table[-1]), pool.read(shared))
-        pool.num_copies += 1
-        pool.free(shared)
+        """Swap our reference to the shared last block for one to a private copy."""
+        shared = self.block_table[-1]
+        self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: no change yet
+        self.allocator.free(shared)
 
     def _check_live(self):
         if self.is_freed:
@@ -394,9 +399,9 @@ class Sequence:
 # Sharing costs one ref-count per block and copies nothing; the price is paid only where
 # the sharers diverge. Full blocks are never written again, so they stay shared. A shared,
 # partly full last block is different: the first sharer to append would write a slot the
-# others will write too. So append and extend ask pool.is_writable first and, if another
-# reference exists, however it was taken, write into a private copy (_copy_last_block).
-# Only the last block is ever written, so that is the only place a sequence copies.
+# others will write too. So append and extend look at the last block's ref-count and, if
+# another reference exists, however it was taken, write into a private copy
+# (_copy_last_block). Only the last block is ever written: the only place a sequence copies.
 # NOTE: vLLM v1 has no fork and never shares a partly full block: its n samples of one
 # prompt are separate requests that share full blocks through the prefix cache (Part 6).
 # Partial sharing with copy-on-write is the paper's design and vLLM v0's
@@ -413,9 +418,13 @@ def share_prefix(src, seq_id, num_tokens=None):
     if num_tokens > len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} "
                          f"(the length of sequence {src.seq_id!r})")
-    seq = Sequence(seq_id, src.allocator)
-    seq.block_table.extend(src.allocator.share(block)
-                           for block in src.block_table[:cdiv(num_tokens, src.block_size)])
+    pool, seq = src.allocator, Sequence(seq_id, src.allocator)
+    full, partial = divmod(num_tokens, src.block_size)
+    if partial > 0:  # first, as it may need a free block: nothing is shared yet if not
+        tail = pool.share_tail(src.block_table[full])
+    seq.block_table.extend(pool.share(block) for block in src.block_table[:full])
+    if partial > 0:
+        seq.block_table.append(tail)
     seq.tokens.extend(src.tokens[:num_tokens])
     return seq
 
@@ -653,11 +662,11 @@ class EagerFreePool(BlockAllocator):
         self._give_back(block)
 
 
-class NoCopyPool(BlockAllocator):
-    """Pitfall 2: every block is writable, shared or not: no copy-on-write."""
+class NoCopySequence(Sequence):
+    """Pitfall 2: the last block is written in place even while it is shared."""
 
-    def is_writable(self, block):
-        return True
+    def _copy_last_block(self):
+        pass
 
 
 class OffByOneSequence(Sequence):
@@ -709,9 +718,11 @@ def demo_pitfalls(block_size=BLOCK_SIZE, seed=None):
     print("\n".join(block_map(pool, [b, c])))
     print(f"   b wrote {b.tokens[:3]}..., reads back {b.read()[:3]}... (c's tokens)")
     print(caught(pool, [b, c]))
-    pool = NoCopyPool(4, block_size)
-    a = Sequence("a", pool, range(n))
-    b = a.fork("b")
+    pool = BlockAllocator(4, block_size)
+    a = NoCopySequence("a", pool, range(n))
+    b = NoCopySequence("b", pool)  # a fork of a, made by hand so that b skips copies too
+    b.block_table.extend(pool.share(block) for block in a.block_table)
+    b.tokens.extend(a.tokens)
     b.append(99)   # writes the shared last block in place
     a.append(7)    # ... and a writes the same slot
     print(f"2. writing a shared block without copying: b = a.fork('b'); b.append(99); "
@@ -909,8 +920,8 @@ def demo_cow(block_size=BLOCK_SIZE):
 # Freed cached blocks are not forgotten; they wait, still holding their KV, until memory
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same prefixes as paths in a radix tree).
-# It attaches to the pool through the two hooks of Part 1 (allocate_prompt, block_full),
-# the copy-on-write rule (is_writable), and where free blocks go and come from.
+# It attaches to the pool through the hooks of Part 1 (allocate_prompt, block_full),
+# share_tail (a full block stays intact), and where free blocks go and come from.
 
 NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
@@ -1072,11 +1083,12 @@ class PrefixCachingAllocator(BlockAllocator):
             self.cached_block_hash_to_block[self.block_hash[block]] = block
             self.evictable.cached(block)
 
-    def is_writable(self, block):
-        # NOTE: a full block is never written, even with one holder: one that share_prefix
-        # covered only partly would otherwise overwrite KV that the cache hands to the
-        # next prompt with this hash. It copies instead.
-        return self.ref_cnt[block] == 1 and block not in self.block_hash
+    def share_tail(self, block):
+        # NOTE: a full block is never written, not even by its only holder. A sequence
+        # that share_prefix covers only partly would write into it once the others left,
+        # overwriting KV the cache hands to the next prompt with this hash; so it gets a
+        # copy of a full block at once. (vLLM v1 never shares a partly covered block.)
+        return self.copy_block(block) if block in self.block_hash else self.share(block)
 
     def audit_kept(self):
         cached = {block: key for key, block in self.cached_block_hash_to_block.items()}
