@@ -182,13 +182,15 @@ class BlockAllocator:
 
     def share(self, block):
         """One more reference to a block in use; returns it."""
-        check_block(self, block)
+        if type(block) is not int or block not in self.ref_cnt:
+            check_block(self, block)  # raises, naming what is wrong
         self.ref_cnt[block] += 1
         return block
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
-        check_block(self, block)
+        if type(block) is not int or block not in self.ref_cnt:
+            check_block(self, block)  # raises, naming what is wrong
         self.ref_cnt[block] -= 1
         if self.ref_cnt[block] == 0:
             del self.ref_cnt[block]
