@@ -2419,8 +2419,9 @@ def trace_prompt(request, block_size):
 
     Example: block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full
     (tokens 28..31, 36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1
-    token: 12. Block-level reuse is what a prefix cache sees, so the scale does not change
-    which blocks hit.
+    token: 12. Block-level reuse is what a prefix cache sees, so with room for everything
+    the scale does not change which blocks hit; under pressure a request's partial and
+    decode blocks (one or two) take room in the pool too, so hits move a little with it.
     """
     full = request.input_length // TRACE_ID_TOKENS
     tokens = list(itertools.chain.from_iterable(
@@ -2501,11 +2502,12 @@ def next_uses(requests):
     return table
 
 
-def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE):
+def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, uses=None):
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size)
     with this eviction policy ("lru", "fifo", "optimal" or a policy object): admit the
     prompt (trace_prompt), append the decode tokens one at a time from a counter above
-    every prompt token, free. Returns the pool (.hits, .misses, .hit_rate)."""
+    every prompt token, free. Returns the pool (.hits, .misses, .hit_rate). uses: the
+    next_uses(requests) table, if the caller has it already."""
     check_int(block_size, "block_size")
     need = max((trace_blocks_needed(r, block_size) for r in requests), default=0)
     if check_int(num_blocks, "num_blocks") < need:
@@ -2514,7 +2516,8 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE):
     optimal = OptimalPolicy() if policy == "optimal" else None
     pool = PrefixCachingAllocator(num_blocks, block_size,
                                   policy if optimal is None else optimal)
-    uses = next_uses(requests) if optimal is not None else None
+    if optimal is not None and uses is None:
+        uses = next_uses(requests)
     top = max((h for r in requests for h in r.hash_ids), default=-1)
     fresh = itertools.count((top + 1) * block_size)  # above every prompt token
     for i, request in enumerate(requests):
@@ -2532,7 +2535,7 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE):
 
 
 TRACE_POLICIES = ("lru", "fifo", "optimal")
-TRACE_SIZES = 7  # pool sizes on a log scale from the longest request to "never evicts"
+TRACE_SIZES = 6  # pool sizes on a log scale from the longest request to "never evicts"
 
 
 def never_evicts(requests, block_size):
@@ -2554,20 +2557,24 @@ _TRACE = None  # (requests, block_size) in a replay worker process: see replay_j
 
 def _trace_worker(requests, block_size):
     global _TRACE
-    _TRACE = (requests, block_size)
+    _TRACE = (requests, block_size, next_uses(requests))
 
 
 def replay_job(job):
-    """One replay in a worker (the trace is handed over once per worker, not per job)."""
+    """One replay in a worker (the trace, and the future the optimum reads, are handed
+    over once per worker, not per job)."""
     policy, num_blocks = job
-    pool = replay_trace(_TRACE[0], num_blocks, policy, _TRACE[1])
+    requests, block_size, uses = _TRACE
+    pool = replay_trace(requests, num_blocks, policy, block_size, uses)
     return policy, num_blocks, pool.hits, pool.misses
 
 
-def replay_all(requests, sizes, block_size, workers=2):
-    """hits[(policy, size)] for every policy and size; progress on stderr."""
-    jobs = [(policy, size) for size in sorted(sizes, reverse=True) for policy in TRACE_POLICIES]
-    hits, tty = {}, sys.stderr.isatty()
+def replay_all(requests, sizes, block_size, known=None, workers=2):
+    """hits[(policy, size)] for every policy and size (known: ones already replayed);
+    progress on stderr."""
+    hits, tty = dict(known or {}), sys.stderr.isatty()
+    jobs = [(policy, size) for size in sorted(sizes, reverse=True) for policy in TRACE_POLICIES
+            if (policy, size) not in hits]
     with multiprocessing.Pool(workers, _trace_worker, (requests, block_size)) as workers_pool:
         for done, (policy, size, got, _) in enumerate(
                 workers_pool.imap_unordered(replay_job, jobs), 1):
@@ -2590,7 +2597,7 @@ def demo_trace(path, limit=None, block_size=BLOCK_SIZE):
     roomy = infinite.next_unused
     three_m = cdiv(3_000_000, TRACE_ID_TOKENS)  # the paper's 3M-token local cache, in ids
     sizes = trace_sizes(longest, roomy, extra=(three_m,))
-    hits = replay_all(requests, sizes, block_size)
+    hits = replay_all(requests, sizes, block_size, {("lru", roomy): infinite.hits})
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
     print(f"== trace: {len(requests):,} requests of {name} through the prefix cache ==")
     print(f"{total:,} full prompt blocks (one per hash id, {TRACE_ID_TOKENS} tokens each; "
