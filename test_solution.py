@@ -881,7 +881,7 @@ class TestBench:
     def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(self, capsys):
         demo_bench(pools=(100, 200), repeats=1)
         lines = capsys.readouterr().out.splitlines()
-        assert lines[0].startswith("== bench") and len(lines) == 16 + 2  # a row per pool in 3.
+        assert lines[0].startswith("== bench") and len(lines) == 17 + 2  # a row per pool in 3.
         for label in ("append, per token", "allocate + free", "fork + free", "cache admission, hit",
                       "cache admission, miss", "Sequence.append", "scan / free list", "idle pool"):
             assert any(label in line for line in lines), label
