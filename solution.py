@@ -1414,9 +1414,9 @@ class Scheduler:
         return self.finished
 
     def _margin(self):
-        # NOTE: vLLM's admission margin (its "watermark"): admit or resume only if 1% of
-        # the pool (at least one block) stays free afterwards, so running sequences can
-        # still grow for a while; else a newcomer is often preempted at its next boundary.
+        # NOTE: vLLM v0's admission margin (its block manager's watermark=0.01): admit or
+        # resume only if 1% of the pool (at least one block) stays free afterwards, so
+        # running sequences can still grow; else a newcomer is soon preempted again.
         return max(1, self.gpu.num_blocks // 100)
 
     def _fits(self, num_blocks):
