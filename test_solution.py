@@ -767,6 +767,21 @@ class TestPreemption:
 class TestSamplingAndBeams:
     """Part 8: parallel sampling and beam search."""
 
+    @pytest.mark.parametrize("seed", [0, 1])
+    def test_beam_verdicts_agree_with_the_ranges_they_print(self, capsys, seed):
+        main(["beam", "--seed", str(seed)])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()
+                if line.startswith(("   Alpaca ", "   ShareGPT "))]
+        assert len(rows) == 4
+        for row in rows:
+            spans = [cell for cell in row if cell.endswith("%")]
+            *ours, paper = [tuple(float(x) for x in span.rstrip("%").split("-"))
+                            for span in spans]
+            low, high = min(lo for lo, _ in ours), max(hi for _, hi in ours)
+            expected = ("inside" if paper[0] <= low and high <= paper[1] else "above"
+                        if low > paper[1] else "below" if high < paper[0] else "overlaps")
+            assert row[-3].rstrip(",") == expected
+
     def test_parallel_sampling_off_a_block_boundary_copies_once_per_writer_but_the_last(self):
         forked = parallel_sampling(6, 3, 4, block_size=4)     # prompt: 1 full block + 2 tokens
         alone = parallel_sampling(6, 3, 4, share=False, block_size=4)
@@ -811,6 +826,16 @@ class TestSamplingAndBeams:
 
 class TestSweep:
     """Part 9: the block-size sweep."""
+
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_sweep_verdicts_agree_with_the_sweet_spots_they_print(self, capsys, seed):
+        main(["sweep", "--seed", str(seed)])
+        out = capsys.readouterr().out
+        for name, low, high in (("ShareGPT-like", 16, 128), ("Alpaca-like", 16, 32)):
+            line = next(l for l in out.splitlines() if l.startswith(f"   ours, {name}"))
+            spots = line.split("sweet spots ")[1].split(";")[0].split(", ")
+            inside = sum(s != "None" and low <= int(s) <= high for s in spots)
+            assert f"{inside} of {len(spots)} inside {low}-{high}" in line
 
     @pytest.mark.parametrize("block_size", [1, 2, 4, 8])
     def test_fragmentation_is_zero_when_every_length_is_a_multiple_of_the_block_size(
