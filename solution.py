@@ -220,8 +220,8 @@ class BlockAllocator:
         """block, after parent (None: it is a first block), now holds token_ids in full."""
 
     def share_tail(self, block):
-        """A reference for a new sequence that will see only the start of block: here,
-        share(block); a prefix cache hands a copy of a block it must keep intact."""
+        """share(block), for a new sequence that will see only the start of block (and may
+        write the rest): a prefix cache stops offering such a block."""
         return self.share(block)
 
     def audit_kept(self):
@@ -923,7 +923,7 @@ def demo_cow(block_size=BLOCK_SIZE):
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same prefixes as paths in a radix tree).
 # It attaches to the pool through the hooks of Part 1 (allocate_prompt, block_full),
-# share_tail (a full block stays intact), and where free blocks go and come from.
+# share_tail (a block shared partly leaves the cache), and where free blocks go.
 
 NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
@@ -1086,11 +1086,14 @@ class PrefixCachingAllocator(BlockAllocator):
             self.evictable.cached(block)
 
     def share_tail(self, block):
-        # NOTE: a full block is never written, not even by its only holder. A sequence
-        # that share_prefix covers only partly would write into it once the others left,
-        # overwriting KV the cache hands to the next prompt with this hash; so it gets a
-        # copy of a full block at once. (vLLM v1 never shares a partly covered block.)
-        return self.copy_block(block) if block in self.block_hash else self.share(block)
+        # NOTE: a sequence that share_prefix covers only partly writes into its last block
+        # once the other holders are gone. So the cache stops offering a block shared that
+        # way: a later prompt would read the new tokens as this hash's KV. The block keeps
+        # its hash for the blocks after it until it is rewritten or freed. (vLLM v1 never
+        # shares a partly covered block.)
+        if self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block:
+            del self.cached_block_hash_to_block[self.block_hash[block]]
+        return self.share(block)
 
     def audit_kept(self):
         cached = {block: key for key, block in self.cached_block_hash_to_block.items()}

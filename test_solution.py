@@ -586,15 +586,17 @@ class TestPrefixCache:
         assert c.read() == [0, 1, 2, 3, 4, 7, 7, 7] and c.block_table[1] in pool.block_hash
         check_invariants(pool, [a, b, c])
 
-    def test_a_cached_block_is_never_written_even_with_one_holder(self):
+    def test_a_block_shared_partly_leaves_the_cache_so_cached_kv_is_never_overwritten(self):
         pool = PrefixCachingAllocator(8, 4)
         src = Sequence("src", pool, range(8))           # two full, cached blocks
         part = share_prefix(src, "part", 6)             # covers block 1 only partly
+        assert part.block_table == src.block_table      # referenced, as share_prefix says
         src.free()                                      # part is block 1's only holder
-        part.append(99)                                 # must copy: block 1 is cached
-        assert pool.num_copies == 1 and part.read() == [0, 1, 2, 3, 4, 5, 99]
-        again = Sequence("again", pool, range(8))       # the cached KV is intact
-        assert pool.hits == 2 and again.read() == list(range(8))
+        part.append(99)                                 # writes block 1 in place: no copy
+        assert pool.num_copies == 0 and part.read() == [0, 1, 2, 3, 4, 5, 99]
+        again = Sequence("again", pool, range(8))       # block 0 hits; block 1 is not offered
+        assert pool.hits == 1 and again.read() == list(range(8))
+        assert again.block_table[1] != part.block_table[1]
         check_invariants(pool, [part, again])
 
     @pytest.mark.parametrize("block_size", [1, 2, 3, 16])
