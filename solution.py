@@ -1942,7 +1942,7 @@ TABLE_ENTRY_BYTES = 4        # bytes per block-table entry: int32, as in vLLM's 
 SWEEP_SYSTEM_LEN = 501       # tokens of a shared system prompt: odd, so sizes > 1 split it
 MAX_FRAGMENTATION = 0.05     # the sweet spot's waste budget
 SWEEP_SEEDS = 3              # workloads drawn per kind: the verdicts are counts over them
-SWEEP_REQUESTS = 24          # requests per workload
+SWEEP_REQUESTS = 16          # requests per workload
 
 
 def sweep_knob_problems():
@@ -1967,7 +1967,7 @@ def sweep_workloads(seed=8, num_requests=None):
     the paper's means (draw_length, Part 8), each with a KV budget about half of it fits."""
     rng, num_requests = random.Random(seed), num_requests or SWEEP_REQUESTS
     workloads = []
-    for (name, prompt_mean, output_mean), kv_slots in ((ALPACA, 1_024), (SHAREGPT, 8_192)):
+    for (name, prompt_mean, output_mean), kv_slots in ((ALPACA, 512), (SHAREGPT, 4_096)):
         lengths = [(draw_length(rng, prompt_mean, MAX_SEQ_LEN // 2),
                     draw_length(rng, output_mean, MAX_SEQ_LEN // 2)) for _ in range(num_requests)]
         workloads.append(Workload(f"{name}-like", f"lengths around the paper's means "
