@@ -422,11 +422,9 @@ def share_prefix(src, seq_id, num_tokens=None):
                          f"(the length of sequence {src.seq_id!r})")
     pool, seq = src.allocator, Sequence(seq_id, src.allocator)
     full, partial = divmod(num_tokens, src.block_size)
-    if partial > 0:  # first, as it may need a free block: nothing is shared yet if not
-        tail = pool.share_tail(src.block_table[full])
     seq.block_table.extend(pool.share(block) for block in src.block_table[:full])
-    if partial > 0:
-        seq.block_table.append(tail)
+    if partial > 0:  # a partly covered last block: its new holder may write the rest
+        seq.block_table.append(pool.share_tail(src.block_table[full]))
     seq.tokens.extend(src.tokens[:num_tokens])
     return seq
 
