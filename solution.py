@@ -150,8 +150,9 @@ class BlockAllocator:
         self.kv_cache = KVCache(block_size)  # what the blocks hold
         self.ref_cnt = {}         # block -> references; only blocks in use have an entry
         self.free_block_ids = []  # blocks given back, reused last in, first out
-        self.next_unused = 0      # blocks next_unused.. were never handed out (NOTE: vLLM
-        self.num_copies = 0       # queues every block up front; counting makes a pool O(1))
+        self.next_unused = 0      # blocks next_unused.. were never handed out
+        self.num_copies = 0       # blocks copied (copy-on-write, Part 3)
+        # NOTE: vLLM queues every block up front; counting never-used ones makes a pool O(1).
 
     @property
     def num_used(self):
@@ -212,7 +213,7 @@ class BlockAllocator:
         return dst
 
     def allocate_prompt(self, token_ids):
-        """Hook for a prefix cache (Part 6), like the two below: blocks for a new prompt,
+        """Hook for a prefix cache (Part 6), like the three below: blocks for a new prompt,
         and how many leading ones already hold it (a plain pool remembers nothing: 0)."""
         return self.allocate_many(cdiv(len(token_ids), self.block_size)), 0
 
