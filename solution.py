@@ -637,7 +637,20 @@ CHECKS = [check_block_boundary, check_free_shared, check_counting,
           check_refused_changes_nothing, check_random_ops]
 
 
+MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
+
+
+def check_section_args(block_size, seed):
+    """What every section checks before it prints anything: a block size in
+    1..MAX_BLOCK_SIZE, and a seed that is None (the lab's own) or an int >= 0."""
+    if check_int(block_size, "block_size") > MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be <= {MAX_BLOCK_SIZE}, got {block_size}")
+    if seed is not None:
+        check_int(seed, "seed", 0)
+
+
 def run_checks(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     print("== correctness checks ==")
     for check in CHECKS:
         label = check(block_size, 0 if seed is None else seed)  # raises, naming what broke
@@ -707,6 +720,7 @@ def caught(pool, sequences):
 
 
 def demo_pitfalls(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     print("== pitfalls: each classic bug committed on purpose, what it does, what catches it ==")
     n = block_size + max(1, block_size // 4)  # a full block and a partly full one (size > 1)
     pool = EagerFreePool(4, block_size)
@@ -829,6 +843,7 @@ def rounding_note(block_size, **lengths):
 
 
 def demo_memory(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
     naive_pool = BlockAllocator(num_blocks, block_size)
     paged_pool = BlockAllocator(num_blocks, block_size)
@@ -868,6 +883,7 @@ def admit_system_prompt_requests(pool, share, seed=1):
 
 
 def demo_sharing(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone = admit_system_prompt_requests(BlockAllocator(num_blocks, block_size), False, seed)
     shared = admit_system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
@@ -1137,6 +1153,7 @@ def cache_knob_problems(block_size):
 
 
 def demo_cache(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     print("== cache: automatic prefix caching (hash-chained full blocks, LRU eviction) ==")
     cache_same_blocks_as_sharing(block_size, 1 if seed is None else seed)
     cache_multi_turn(block_size, 3 if seed is None else seed)
@@ -1548,9 +1565,9 @@ def evict_knob_problems(block_size):
             len(TRANSFER_LATENCY_S) != 2:
         problems.append("the cost model's constants must be > 0, and PREFILL_TOKENS_PER_S "
                         "and TRANSFER_LATENCY_S (low, high) pairs")
-    if EVICT_SEEDS < 1 or len(EVICT_SIZES) == 0 or max(EVICT_SIZES) > MAX_BLOCK_SIZE_EVICT:
+    if EVICT_SEEDS < 1 or len(EVICT_SIZES) == 0 or max(EVICT_SIZES) > MAX_BLOCK_SIZE:
         problems.append(f"EVICT_SEEDS must be >= 1 and EVICT_SIZES sizes in "
-                        f"1..{MAX_BLOCK_SIZE_EVICT}")
+                        f"1..{MAX_BLOCK_SIZE}")
     return problems
 
 
@@ -1563,6 +1580,7 @@ def preemption_workload(seed=5, num_requests=16):
 
 def run_policy(policy, block_size, requests, host_tokens=HOST_KV_TOKENS, check=False):
     """Serve requests under policy; verify every result and that both pools end whole."""
+    check_int(block_size, "block_size")
     gpu = BlockAllocator(GPU_KV_TOKENS // block_size, block_size)
     host = BlockAllocator(host_tokens // block_size, block_size)
     scheduler = Scheduler(gpu, host, policy, check)
@@ -1576,7 +1594,6 @@ def run_policy(policy, block_size, requests, host_tokens=HOST_KV_TOKENS, check=F
 
 EVICT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the block sizes of the paper's Figure 19
 EVICT_SEEDS = 4              # workload seeds every verdict runs over (each costs 9 runs)
-MAX_BLOCK_SIZE_EVICT = 256   # the GPU pool must hold the largest request at this size
 PAPER_73 = ("recomputation is more efficient when the block size is small, while swapping is "
             "more efficient when the block size is large, though recomputation overhead is "
             "never higher than 20% of swapping's latency. For medium block sizes from 16 to "
@@ -1592,6 +1609,7 @@ def recovery_ms(tokens, blocks, block_size, copies, tokens_per_s, latency_s):
 
 
 def demo_evict(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     first = 5 if seed is None else seed
     requests = preemption_workload(first)
     low, high = PREFILL_TOKENS_PER_S, TRANSFER_LATENCY_S
@@ -1877,6 +1895,7 @@ def sharing_trace(dataset, kind, width, seed, block_size=BLOCK_SIZE):
 
 
 def demo_beam(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     first = 6 if seed is None else seed
     print("== beam: parallel sampling and beam search on forked sequences ==")
     print(f"1. a prompt, forked: block size {block_size}, {SHARING_REQUESTS} requests per "
@@ -2001,6 +2020,7 @@ def measure_block_size(workload, block_size):
     refuses one: how many fit. That one and the rest go to a second pool with room for
     all, so fragmentation and tables are measured over every request.
     """
+    check_int(block_size, "block_size")
     requests = workload.requests
     total = sum(len(p) + len(o) for p, o in requests)
     budget = BlockAllocator(workload.kv_slots // block_size, block_size)
@@ -2022,6 +2042,7 @@ def measure_block_size(workload, block_size):
 
 def prefix_reuse_lost(block_size, seed=10):
     """Share of a shared system prompt that a second request cannot take from the cache."""
+    check_int(block_size, "block_size")
     rng = random.Random(seed)
     system = random_tokens(rng, SWEEP_SYSTEM_LEN)
     pool = PrefixCachingAllocator(2 * cdiv(SWEEP_SYSTEM_LEN + 50, block_size), block_size)
@@ -2044,6 +2065,7 @@ def sweet_spot(rows, max_fragmentation=MAX_FRAGMENTATION):
 
 
 def demo_sweep(block_size=BLOCK_SIZE, seed=None):
+    check_section_args(block_size, seed)
     first = 8 if seed is None else seed
     print("== sweep: block size against fragmentation, block-table size, capacity, "
           "prefix reuse ==")
@@ -2280,6 +2302,7 @@ def interleaved_ns_per_op(benches, repeats):
 
 
 def demo_bench(block_size=BLOCK_SIZE, seed=None, pools=BENCH_POOLS, repeats=BENCH_REPEATS):
+    check_section_args(block_size, seed)
     print(f"== bench: cost per operation at pools of {', '.join(f'{n:,}' for n in pools)} "
           f"blocks (best of {repeats}) ==")
     smallest = pools[0]
@@ -2695,7 +2718,6 @@ SECTIONS = {  # the default run, in reading order
     "sweep": demo_sweep,
 }
 ON_REQUEST = {"bench": demo_bench}  # timings: run only when named
-MAX_BLOCK_SIZE = 256  # the largest --block-size every section is built for
 
 
 def knob_problems_all(block_size):

@@ -1018,6 +1018,19 @@ class TestTrace:
 class TestCommandLine:
     """The command line: sections, options, knobs."""
 
+    @pytest.mark.parametrize("section", list(solution.SECTIONS.values()) + [demo_bench])
+    @pytest.mark.parametrize("block_size, seed, exception, message", [
+        (0, None, ValueError, "block_size must be an int >= 1"),
+        (257, None, ValueError, "block_size must be <= 256"),
+        ("16", None, TypeError, "block_size must be an int"),
+        (16, -1, ValueError, "seed must be an int >= 0")])
+    def test_every_section_names_a_bad_argument_before_printing(self, capsys, section,
+                                                               block_size, seed, exception,
+                                                               message):
+        with pytest.raises(exception, match=message):
+            section(block_size=block_size, seed=seed)
+        assert capsys.readouterr().out == ""
+
     def test_sections_run_alone_and_unknown_ones_are_refused(self, capsys):
         main(["checks"])
         out = capsys.readouterr().out
