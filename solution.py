@@ -1139,11 +1139,14 @@ class PrefixCachingAllocator(BlockAllocator):
 
 
 CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with
+CHAT_QUESTION_LEN = 40  # tokens a user adds each turn
+CHAT_ANSWER_LEN = 60    # tokens the model answers each turn
+CHAT_TURNS = 4          # turns per conversation
 CACHE_POOLS = (8192, 4096, 2048, 1024)  # tokens of KV in the "under pressure" pools
 
 
 def cache_knob_problems(block_size):
-    longest = CHAT_SYSTEM_LEN + 4 * 40 + 4 * 60  # tokens of the longest chat request
+    longest = CHAT_SYSTEM_LEN + CHAT_TURNS * (CHAT_QUESTION_LEN + CHAT_ANSWER_LEN)  # tokens
     if CHAT_SYSTEM_LEN < 0 or len(CACHE_POOLS) == 0:
         return ["CHAT_SYSTEM_LEN must be >= 0 and CACHE_POOLS not empty"]
     if min(CACHE_POOLS) // block_size < cdiv(longest, block_size):
@@ -1198,18 +1201,18 @@ def cache_multi_turn(block_size, seed):
     check_invariants(pool, [turn2])
 
 
-def chat_stream(num_conversations=12, num_turns=4, seed=4):
+def chat_stream(num_conversations=12, num_turns=CHAT_TURNS, seed=4):
     """Chat requests, round robin over conversations: (prompt, answer) pairs where each
-    prompt = a shared CHAT_SYSTEM_LEN-token system prompt + the conversation so far + 40
-    new tokens."""
+    prompt = a shared CHAT_SYSTEM_LEN-token system prompt + the conversation so far +
+    CHAT_QUESTION_LEN new tokens, and each answer CHAT_ANSWER_LEN tokens."""
     rng = random.Random(seed)
     system = random_tokens(rng, CHAT_SYSTEM_LEN)
     histories = [list(system) for _ in range(num_conversations)]
     stream = []
     for _ in range(num_turns):
         for history in histories:
-            history.extend(random_tokens(rng, 40))
-            answer = random_tokens(rng, 60)
+            history.extend(random_tokens(rng, CHAT_QUESTION_LEN))
+            answer = random_tokens(rng, CHAT_ANSWER_LEN)
             stream.append((list(history), answer))
             history.extend(answer)
     return stream
@@ -1223,7 +1226,7 @@ def serve_stream(pool, stream):
         seq.free()
 
 
-def cache_under_pressure(block_size, seed, conversations=12, turns=4):
+def cache_under_pressure(block_size, seed, conversations=12, turns=CHAT_TURNS):
     stream = chat_stream(conversations, turns, seed)
     print(f"3. under pressure: {len(stream)} chat requests ({conversations} conversations x "
           f"{turns} turns, round robin), one at a time")
@@ -1553,13 +1556,18 @@ HOST_KV_TOKENS = 512  # tokens of KV the host pool holds in part 1 of the demo
 
 
 def evict_knob_problems(block_size):
-    problems = []
-    gpu_blocks, largest = GPU_KV_TOKENS // block_size, 200 + 250  # tokens, see below
-    if cdiv(largest, block_size) + max(1, gpu_blocks // 100) > gpu_blocks:
-        problems.append(f"GPU_KV_TOKENS must hold a {largest}-token request and the 1% "
-                        f"margin at block size {block_size} (and at 256, for the sweep)")
-    if HOST_KV_TOKENS < block_size:
-        problems.append(f"HOST_KV_TOKENS must hold one block (>= {block_size} tokens)")
+    problems, largest = [], EVICT_PROMPT_LEN[1] + EVICT_OUTPUT_LEN[1]  # tokens
+    if not 1 <= EVICT_PROMPT_LEN[0] <= EVICT_PROMPT_LEN[1] or \
+            not 1 <= EVICT_OUTPUT_LEN[0] <= EVICT_OUTPUT_LEN[1]:
+        problems.append("EVICT_PROMPT_LEN and EVICT_OUTPUT_LEN must be (low, high) with "
+                        "1 <= low <= high")
+    for size in sorted({block_size, *EVICT_SIZES}):  # part 1 runs one, the sweep all
+        gpu_blocks = GPU_KV_TOKENS // size
+        if cdiv(largest, size) + max(1, gpu_blocks // 100) > gpu_blocks:
+            problems.append(f"GPU_KV_TOKENS must hold a {largest}-token request and the 1% "
+                            f"margin at block size {size}")
+        if HOST_KV_TOKENS < size:
+            problems.append(f"HOST_KV_TOKENS must hold one block at block size {size}")
     if min(NUM_LAYERS, HIDDEN_SIZE, PCIE_BYTES_PER_S, *PREFILL_TOKENS_PER_S) <= 0 or \
             min(TRANSFER_LATENCY_S) < 0 or len(PREFILL_TOKENS_PER_S) != 2 or \
             len(TRANSFER_LATENCY_S) != 2:
@@ -1571,11 +1579,16 @@ def evict_knob_problems(block_size):
     return problems
 
 
+EVICT_PROMPT_LEN = (16, 200)  # tokens: a request's prompt, uniform in this range
+EVICT_OUTPUT_LEN = (50, 250)  # tokens: what it generates
+
+
 def preemption_workload(seed=5, num_requests=16):
-    """Requests arriving every other step: prompts of 16-200 tokens, 50-250 generated."""
+    """Requests arriving every other step, prompt and output lengths uniform in
+    EVICT_PROMPT_LEN and EVICT_OUTPUT_LEN."""
     rng = random.Random(seed)
-    return [Request(i, random_tokens(rng, rng.randint(16, 200)), rng.randint(50, 250), 2 * i)
-            for i in range(num_requests)]
+    return [Request(i, random_tokens(rng, rng.randint(*EVICT_PROMPT_LEN)),
+                    rng.randint(*EVICT_OUTPUT_LEN), 2 * i) for i in range(num_requests)]
 
 
 def run_policy(policy, block_size, requests, host_tokens=HOST_KV_TOKENS, check=False):
@@ -1969,6 +1982,8 @@ def sweep_knob_problems():
     if not 0 < MAX_FRAGMENTATION < 1 or TABLE_ENTRY_BYTES < 1 or SWEEP_SYSTEM_LEN < 1:
         return ["MAX_FRAGMENTATION must be in (0, 1), TABLE_ENTRY_BYTES and "
                 "SWEEP_SYSTEM_LEN >= 1"]
+    if min(SWEEP_SEEDS, SWEEP_REQUESTS) < 1:
+        return ["SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"]
     return []
 
 
@@ -2161,6 +2176,14 @@ def print_sweep_chart(rows):
 
 BENCH_POOLS = (1_000, 100_000, 1_000_000)  # blocks
 BENCH_REPEATS = 15
+
+
+def bench_knob_problems():
+    if len(BENCH_POOLS) == 0 or not all(type(n) is int and n >= 100 for n in BENCH_POOLS) \
+            or type(BENCH_REPEATS) is not int or BENCH_REPEATS < 1:
+        return ["BENCH_POOLS must be ints >= 100 (a bench uses a 20th of the smallest) and "
+                "BENCH_REPEATS an int >= 1"]
+    return []
 
 
 def best_seconds(make_run, repeats):
@@ -2564,6 +2587,11 @@ TRACE_POLICIES = ("lru", "fifo", "optimal")
 TRACE_SIZES = 6  # pool sizes on a log scale from the longest request to "never evicts"
 
 
+def trace_knob_problems():
+    return [] if type(TRACE_SIZES) is int and TRACE_SIZES >= 2 else [
+        "TRACE_SIZES must be an int >= 2 (the smallest and the largest pool)"]
+
+
 def never_evicts(requests, block_size):
     """A replay on a pool with room for every block ever written: its peak use
     (pool.next_unused) is the smallest pool that never evicts on this trace."""
@@ -2723,7 +2751,8 @@ ON_REQUEST = {"bench": demo_bench}  # timings: run only when named
 def knob_problems_all(block_size):
     """Every reason the constants and this block size cannot run together."""
     return (knob_problems(block_size) + cache_knob_problems(block_size)
-            + evict_knob_problems(block_size) + beam_knob_problems() + sweep_knob_problems())
+            + evict_knob_problems(block_size) + beam_knob_problems() + sweep_knob_problems()
+            + bench_knob_problems() + trace_knob_problems())
 
 
 def section_output(name, block_size, seed):

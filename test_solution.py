@@ -1077,7 +1077,13 @@ class TestCommandLine:
         ("POOL_TOKENS", 1024, "POOL_TOKENS must hold one MAX_LEN request"),
         ("GPU_KV_TOKENS", 256, "GPU_KV_TOKENS must hold"),
         ("BEAM_WIDTHS", (), "BEAM_WIDTHS must be"),
-        ("MAX_FRAGMENTATION", 0, "MAX_FRAGMENTATION must be in (0, 1)")])
+        ("MAX_FRAGMENTATION", 0, "MAX_FRAGMENTATION must be in (0, 1)"),
+        ("HOST_KV_TOKENS", 200, "HOST_KV_TOKENS must hold one block at block size 256"),
+        ("GPU_KV_TOKENS", 600, "GPU_KV_TOKENS must hold a 450-token request and the 1% "
+                               "margin at block size 128"),
+        ("SWEEP_REQUESTS", 0, "SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"),
+        ("BENCH_POOLS", (10, 100), "BENCH_POOLS must be ints >= 100"),
+        ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2")])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
                                                                     value, message):
         monkeypatch.setattr(solution, knob, value)
