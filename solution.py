@@ -54,6 +54,7 @@ Glossary (one word per idea; the code uses these and no others)
     slot            one token's place in the KV cache: offset o of block b is slot
                     b * block_size + o of one flat array
     slot mapping    the slot of each token being written (vLLM's slot_mapping)
+    prefill, decode writing a prompt's tokens all at once (extend); then one per step (append)
     logical index   a block's position in its sequence: token i is in logical block i // 16
     physical block  a block id in the pool; the block table maps logical -> physical
     ref-count       how many block tables point at a physical block (vLLM: ref_cnt)
@@ -112,14 +113,10 @@ def check_int(value, name, low=1):
 
 
 class KVCache:
-    """The memory the blocks stand for: one flat array of slots, block after block. Offset
-    o of block b is slot b * block_size + o (block_size 4: block 2, offset 1 -> slot 9).
-    The "KV" in a slot is the token id itself, so a sequence can be read back and checked.
-
-    NOTE: a dict of the slots ever written stands in for the GPU tensor, so an idle
-    million-block pool costs nothing. Like GPU memory it is never cleared: the block
-    table and the sequence length, not the memory, say which slots mean anything.
-    """
+    """The memory the blocks stand for: a flat array of slots; offset o of block b is slot
+    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). Its "KV" is the token
+    id itself, so sequences can be read back. NOTE: a dict of the slots written stands in
+    for the GPU tensor (an idle pool costs nothing); like GPU memory it is never cleared."""
 
     def __init__(self, block_size):
         self.block_size = block_size
@@ -142,17 +139,17 @@ class KVCache:
 class BlockAllocator:
     """A fixed pool of physical blocks: a free list and a ref-count per block in use.
     Invariant: a block is in use exactly when it has a ref-count (>= 1), free otherwise,
-    so num_free + num_used == num_blocks. Every operation is O(1) per block."""
+    so num_free + num_used == num_blocks. Every operation is O(1) per block.
+    NOTE: vLLM queues every block up front; counting never-used ones makes a pool O(1)."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
-        self.num_blocks = check_int(num_blocks, "num_blocks")  # blocks
+        self.num_blocks = check_int(num_blocks, "num_blocks")
         self.block_size = check_int(block_size, "block_size")  # tokens per block
         self.kv_cache = KVCache(block_size)  # what the blocks hold
         self.ref_cnt = {}         # block -> references; only blocks in use have an entry
         self.free_block_ids = []  # blocks given back, reused last in, first out
         self.next_unused = 0      # blocks next_unused.. were never handed out
         self.num_copies = 0       # blocks copied (copy-on-write, Part 3)
-        # NOTE: vLLM queues every block up front; counting never-used ones makes a pool O(1).
 
     @property
     def num_used(self):
@@ -160,18 +157,20 @@ class BlockAllocator:
 
     @property
     def num_free(self):
-        return self.num_blocks - len(self.ref_cnt)
+        return self.num_blocks - self.num_used
 
     def ensure_free(self, n):
         """Raise OutOfBlocksError unless n blocks are free: the check of check-then-act."""
         if n > self.num_free:
-            raise OutOfBlocksError(f"need {n} free blocks, only {self.num_free} are free")
+            raise OutOfBlocksError(f"need {n} block(s), {self.num_free} of {self.num_blocks} free")
 
     def allocate(self):
         """A free block, now with ref-count 1: the last one given back, else a new one."""
-        if len(self.ref_cnt) == self.num_blocks:
-            raise OutOfBlocksError(f"all {self.num_blocks} blocks are in use")
-        block = self._pop_free()
+        self.ensure_free(1)
+        if len(self.free_block_ids) == 0:
+            self.free_block_ids.append(self.next_unused)  # a block never handed out
+            self.next_unused += 1
+        block = self.free_block_ids.pop()
         self.ref_cnt[block] = 1
         return block
 
@@ -183,69 +182,48 @@ class BlockAllocator:
 
     def share(self, block):
         """One more reference to a block in use; returns it."""
-        if type(block) is not int or block not in self.ref_cnt:
-            check_block(self, block)  # raises, naming what is wrong
-        self.ref_cnt[block] += 1
+        self.ref_cnt[check_block(self, block)] += 1
         return block
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
-        if type(block) is not int or block not in self.ref_cnt:
-            check_block(self, block)  # raises, naming what is wrong
-        self.ref_cnt[block] -= 1
+        self.ref_cnt[check_block(self, block)] -= 1
         if self.ref_cnt[block] == 0:
             del self.ref_cnt[block]
             self._give_back(block)
 
     def refcount(self, block):
-        check_block(self, block, in_use=False)
-        return self.ref_cnt.get(block, 0)
+        return self.ref_cnt.get(check_block(self, block, in_use=False), 0)
 
     def read(self, block):
-        check_block(self, block, in_use=False)
-        return self.kv_cache.gather(self.kv_cache.block_slots(block))
+        return self.kv_cache.gather(self.kv_cache.block_slots(check_block(self, block, False)))
 
-    def copy_block(self, src):
-        """A new block holding src's slots (vLLM's copy_blocks kernel, on the GPU)."""
-        dst = self.allocate()
-        self.kv_cache.write(self.kv_cache.block_slots(dst), self.read(src))
-        self.num_copies += 1
-        return dst
-
-    def allocate_prompt(self, token_ids):
-        """Hook for a prefix cache (Part 6), like the three below: blocks for a new prompt,
-        and how many leading ones already hold it (a plain pool remembers nothing: 0)."""
-        return self.allocate_many(cdiv(len(token_ids), self.block_size)), 0
+    # Hooks for a prefix cache (Part 6): find a prompt's cached leading blocks (vLLM's
+    # get_computed_blocks), cache a block once full (cache_full_blocks), stop offering a
+    # block shared partly, keep freed cached blocks aside (_give_back, audit_kept).
+    def held_prompt_blocks(self, token_ids):
+        return []  # a plain pool remembers nothing
 
     def block_full(self, block, parent, token_ids):
-        """block, after parent (None: it is a first block), now holds token_ids in full."""
+        """block, after parent (None: a first block), now holds token_ids in full."""
 
     def share_tail(self, block):
-        """share(block), for a new sequence that will see only the start of block (and may
-        write the rest): a prefix cache stops offering such a block."""
         return self.share(block)
 
     def audit_kept(self):
-        """Check the blocks a subclass keeps aside; return the free ones (a list)."""
         return []
-
-    def _pop_free(self):
-        if len(self.free_block_ids) > 0:
-            return self.free_block_ids.pop()
-        self.next_unused += 1
-        return self.next_unused - 1
 
     def _give_back(self, block):
         self.free_block_ids.append(block)
 
 
 def check_block(pool, block, in_use=True):
-    """The one block check: a block id of pool, and in use unless told otherwise."""
+    """The one block check: block if it is a block id of pool, in use unless told otherwise."""
     if type(block) is not int or not 0 <= block < pool.num_blocks:
-        raise ValueError(f"unknown block {block!r}: block ids are ints in "
-                         f"0..{pool.num_blocks - 1}")
+        raise ValueError(f"unknown block {block!r}: block ids are 0..{pool.num_blocks - 1}")
     if in_use and block not in pool.ref_cnt:
         raise ValueError(f"block {block} is free (double free, or never allocated)")
+    return block
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,95 +248,90 @@ class BlockTable(list):
 
     def slot_mapping(self, start, end):
         """The KV slot of each token start..end-1 (vLLM's slot_mapping). Example:
-        block_size 4, table [3, 0, 5]: slot_mapping(6, 9) == [2, 3, 20]."""
+        block_size 4, table [3, 0, 5]: tokens 6..8 are in blocks 0 (slots 0..3) and 5
+        (slots 20..23), so slot_mapping(6, 9) == [2, 3, 20]."""
         if not 0 <= start <= end <= len(self) * self.block_size:
             raise IndexError(f"tokens {start}..{end - 1} are outside this table's "
                              f"{len(self) * self.block_size} slots")
-        block_size, first = self.block_size, start // self.block_size
-        slots = itertools.chain.from_iterable(  # every slot of each block the tokens touch
-            range(block * block_size, (block + 1) * block_size)
-            for block in self[first:cdiv(end, block_size)])
-        skip = start - first * block_size  # slots of the first block before token start
-        return list(itertools.islice(slots, skip, skip + end - start))
-
-
-def check_token(token):
-    """The one token check: raise TypeError or ValueError unless token is a token id (a
-    non-negative int)."""
-    if type(token) is not int:
-        raise TypeError(f"token ids are non-negative ints, got {token!r} ({type(token).__name__})")
-    if token < 0:
-        raise ValueError(f"token ids are non-negative ints, got {token}")
+        size, first = self.block_size, start // self.block_size
+        slots = [slot for block in self[first:cdiv(end, size)]
+                 for slot in range(block * size, (block + 1) * size)]
+        return slots[start - first * size:end - first * size]
 
 
 def check_tokens(tokens):
-    """A list copy of tokens, each one a token id."""
+    """The one token check: tokens as a list if each is an int >= 0, else an error naming it."""
     token_ids = list(tokens)
-    if not set(map(type, token_ids)) <= {int} or min(token_ids, default=0) < 0:
-        for token in token_ids:  # (the test above runs in C; this names the culprit)
-            check_token(token)
+    bad = [token for token in token_ids if type(token) is not int or token < 0]
+    if len(bad) > 0:
+        raise (ValueError if type(bad[0]) is int else TypeError)(
+            f"token ids are ints >= 0, got {bad[0]!r} ({type(bad[0]).__name__})")
     return token_ids
 
 
 class Sequence:
-    """A request's tokens and the block table that says where each one is stored.
-    Invariant: len(block_table) == cdiv(len(tokens), block_size), token i is stored at
-    block_table.slot(i), and the sequence writes only into its last block, in place only
-    when the pool says no other reference can see it."""
+    """A request's tokens and the block table that says where each is stored. Invariant:
+    len(block_table) == cdiv(len(tokens), block_size), token i is at block_table.slot(i).
+    Tokens are only added: into the last block (in place only if no other reference to it
+    exists), then into new blocks."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
             raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
         token_ids = check_tokens(tokens)
-        self.seq_id = seq_id
-        self.allocator = allocator
-        self.block_size = allocator.block_size
+        self.seq_id, self.allocator, self.block_size = seq_id, allocator, allocator.block_size
         self.tokens = []  # logical tokens, in order
         self.block_table = BlockTable(self.block_size)
         self.is_freed = False
         if len(token_ids) > 0:
-            blocks, num_held = allocator.allocate_prompt(token_ids)  # all, or an exception
-            self.block_table.extend(blocks)
-            self.tokens.extend(token_ids[:num_held * self.block_size])
-            self._write(token_ids[num_held * self.block_size:])
+            self.block_table.extend(allocator.held_prompt_blocks(token_ids))  # or it raises
+            self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
+            self.extend(token_ids[len(self.tokens):])
 
     def __len__(self):
         return len(self.tokens)
 
     def append(self, token):
         """Add one token (a decode step): a new block exactly when the last one is full,
-        a private copy of the last block if another reference can see it. Example:
+        a private copy of the last block if another reference to it exists. Example:
         block_size 4, tokens [5, 6, 7, 8] in table [3]: append(9) takes a free block, say
         0, so the table is [3, 0], and writes 9 at slot 0 * 4 + 0."""
         if self.is_freed or type(token) is not int or token < 0:
-            self._check_live()  # raises, saying what is wrong
-            check_token(token)
+            self._check_live()
+            check_tokens([token])
         pool, table, block_size = self.allocator, self.block_table, self.block_size
         n = len(self.tokens)
         offset = n % block_size
         if offset == 0:
-            table.append(pool.allocate())               # the last block is full: a new one
-        elif pool.ref_cnt[table[-1]] > 1:
-            self._copy_last_block()                     # shared: copy-on-write (Part 3)
-        pool.kv_cache.slots[table[-1] * block_size + offset] = token  # write the slot
+            block = pool.allocate()  # the last block is full: a new one
+            table.append(block)
+        else:
+            block = table[-1]
+            if pool.ref_cnt[block] > 1:
+                block = self._copy_last_block()  # shared: copy-on-write (Part 3)
+        pool.kv_cache.slots[block * block_size + offset] = token  # write the slot
         self.tokens.append(token)
         if offset == block_size - 1:
-            pool.block_full(table[-1], table[-2] if n >= block_size else None,
+            pool.block_full(block, table[-2] if n >= block_size else None,
                             self.tokens[n + 1 - block_size:])
 
     def extend(self, tokens):
-        """Add tokens: make room first (new blocks, a private last block), then write."""
+        """Add tokens, all or none, as a prefill does: make room (new blocks, a copy of a
+        shared last block), write them all through the slot mapping, report full blocks."""
         self._check_live()
         token_ids = check_tokens(tokens)
-        pool, n = self.allocator, len(self.tokens)
-        copy = len(token_ids) > 0 and n % self.block_size > 0 and pool.ref_cnt[
-            self.block_table[-1]] > 1
-        num_new = cdiv(n + len(token_ids), self.block_size) - len(self.block_table)
+        pool, table, size, n = self.allocator, self.block_table, self.block_size, len(self)
+        copy = len(token_ids) > 0 and n % size > 0 and pool.ref_cnt[table[-1]] > 1
+        num_new = cdiv(n + len(token_ids), size) - len(table)
         pool.ensure_free(num_new + copy)  # check, then act
         if copy:
             self._copy_last_block()
-        self.block_table.extend(pool.allocate_many(num_new))
-        self._write(token_ids)
+        table.extend(pool.allocate_many(num_new))
+        pool.kv_cache.write(table.slot_mapping(n, n + len(token_ids)), token_ids)
+        self.tokens.extend(token_ids)
+        for k in range(n // size, len(self) // size):  # the blocks these tokens filled
+            pool.block_full(table[k], table[k - 1] if k > 0 else None,
+                            self.tokens[k * size:(k + 1) * size])
 
     def read(self):
         """The sequence's tokens, gathered from the KV cache through the block table."""
@@ -366,30 +339,22 @@ class Sequence:
         return self.allocator.kv_cache.gather(self.block_table.slot_mapping(0, len(self)))
 
     def free(self):
-        """Release every block; the sequence cannot be used afterwards.
-        NOTE: tail first, as nano-vllm does: a prefix cache then evicts a sequence's
-        suffix before its prefix, which other requests are likelier to share."""
+        """Release every block, tail first (NOTE: as nano-vllm does, so a prefix cache
+        evicts a suffix before its prefix, which others are likelier to share)."""
         self._check_live()
         for block in reversed(self.block_table):
             self.allocator.free(block)
         self.block_table.clear()
         self.is_freed = True
 
-    def _write(self, token_ids):
-        """Store token_ids after the last token (room was made); report each full block."""
-        pool, block_size, start = self.allocator, self.block_size, len(self.tokens)
-        pool.kv_cache.write(self.block_table.slot_mapping(start, start + len(token_ids)),
-                            token_ids)
-        self.tokens.extend(token_ids)
-        for k in range(start // block_size, len(self.tokens) // block_size):
-            pool.block_full(self.block_table[k], self.block_table[k - 1] if k > 0 else None,
-                            self.tokens[k * block_size:(k + 1) * block_size])
-
     def _copy_last_block(self):
         """Swap our reference to the shared last block for one to a private copy."""
-        shared = self.block_table[-1]
-        self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: no change yet
-        self.allocator.free(shared)
+        pool, shared = self.allocator, self.block_table[-1]
+        self.block_table[-1] = pool.allocate()  # may raise: nothing changed yet
+        pool.kv_cache.write(pool.kv_cache.block_slots(self.block_table[-1]), pool.read(shared))
+        pool.num_copies += 1
+        pool.free(shared)
+        return self.block_table[-1]
 
     def _check_live(self):
         if self.is_freed:
@@ -399,28 +364,22 @@ class Sequence:
 # ---------------------------------------------------------------------------------------
 # Part 3. Sharing a prefix, and copy-on-write
 # ---------------------------------------------------------------------------------------
-# Sharing costs one ref-count per block and copies nothing; the price is paid only where
-# the sharers diverge. Full blocks are never written again, so they stay shared. A shared,
-# partly full last block is different: the first sharer to append would write a slot the
-# others will write too. So append and extend look at the last block's ref-count and, if
-# another reference exists, however it was taken, write into a private copy
-# (_copy_last_block). Only the last block is ever written: the only place a sequence copies.
-# NOTE: vLLM v1 has no fork and never shares a partly full block: its n samples of one
-# prompt are separate requests that share full blocks through the prefix cache (Part 6).
-# Partial sharing with copy-on-write is the paper's design and vLLM v0's
-# (vllm/core/block/), which Parts 3, 7 and 8 follow.
+# Sharing costs one ref-count per block and copies nothing. Full blocks are never written
+# again, but the first sharer to append to a shared, partly full last block would write a
+# slot the others write too: so append and extend first copy a last block whose ref-count
+# is above 1, however that came about (_copy_last_block). The only copy there is.
+# NOTE: vLLM v1 has no fork and never shares a partly full block (n samples are separate
+# requests sharing full blocks via the prefix cache, Part 6): this is the paper's and v0's.
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence whose first num_tokens tokens (default: all) are src's, stored in
-    src's physical blocks, including a partly covered last block. Example: src holds 20
+    src's physical blocks, a partly covered last block included. Example: src holds 20
     tokens in blocks [a, b] (block_size 16); share_prefix(src, "x", 18) gives "x" the
-    table [a, b] (ref-counts 2 and 2) and 18 tokens. Whichever writes into b first while
-    it is shared gets a private copy."""
+    table [a, b] (ref-counts 2 and 2) and 18 tokens; the first to write b copies it."""
     src._check_live()
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):
-        raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} "
-                         f"(the length of sequence {src.seq_id!r})")
+        raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
     pool, seq = src.allocator, Sequence(seq_id, src.allocator)
     full, partial = divmod(num_tokens, src.block_size)
     seq.block_table.extend(pool.share(block) for block in src.block_table[:full])
@@ -430,12 +389,7 @@ def share_prefix(src, seq_id, num_tokens=None):
     return seq
 
 
-def fork(self, seq_id):
-    """A new sequence sharing every block of this one (ref-count + 1 each)."""
-    return share_prefix(self, seq_id)
-
-
-Sequence.fork = fork  # seq.fork("b"): a method, defined here with the rest of sharing
+Sequence.fork = share_prefix  # seq.fork("b") == share_prefix(seq, "b"): every block shared
 
 
 # ---------------------------------------------------------------------------------------
@@ -680,16 +634,17 @@ class NoCopySequence(Sequence):
     """Pitfall 2: the last block is written in place even while it is shared."""
 
     def _copy_last_block(self):
-        pass
+        return self.block_table[-1]  # the shared block itself
 
 
 class OffByOneSequence(Sequence):
-    """Pitfall 3: a new block only when the tokens overflow the table (> instead of >=):
-    the token that should start a block lands in the next physical block instead."""
+    """Pitfall 3: a new block only when the tokens overflow the table (> instead of >=;
+    the first block aside): the token that should start a block lands in the next
+    physical block instead."""
 
     def append(self, token):
         pool, n, block_size = self.allocator, len(self.tokens), self.block_size
-        if n > len(self.block_table) * block_size:
+        if n > len(self.block_table) * block_size or len(self.block_table) == 0:
             self.block_table.append(pool.allocate())
         pool.kv_cache.slots[self.block_table[-1] * block_size + n
                             - (len(self.block_table) - 1) * block_size] = token
@@ -937,8 +892,13 @@ def demo_cow(block_size=BLOCK_SIZE):
 # Freed cached blocks are not forgotten; they wait, still holding their KV, until memory
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same prefixes as paths in a radix tree).
-# It attaches to the pool through the hooks of Part 1 (allocate_prompt, block_full),
-# share_tail (a block shared partly leaves the cache), and where free blocks go.
+# It attaches to the pool through the hooks of Part 1: held_prompt_blocks (the lookup),
+# block_full (caching), share_tail (a block shared partly leaves the cache), _give_back
+# and audit_kept (freed cached blocks wait aside), and it overrides allocate (eviction).
+# NOTE: one hook would not do: the lookup must come before any block is allocated, so that
+# a refused prompt changes nothing, and caching must follow every block that fills, in a
+# prefill (extend) or a decode step (append). vLLM's KVCacheManager calls its BlockPool at
+# the same two points: get_computed_blocks, then cache_full_blocks from allocate_slots.
 
 NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
@@ -1058,9 +1018,10 @@ class PrefixCachingAllocator(BlockAllocator):
         """Evictable cached blocks right now."""
         return len(self.evictable)
 
-    def allocate_prompt(self, token_ids):
-        """Reuse the longest run of leading full blocks whose hashes are cached; allocate
-        the rest. All or nothing: reviving an evictable block takes it out of num_free too.
+    def held_prompt_blocks(self, token_ids):
+        """The longest run of leading full blocks whose hashes are cached, each taken once
+        more, after checking there is room for the rest of the prompt too (reviving an
+        evictable block takes it out of num_free): all or nothing.
 
         Example: block_size 4, "a" = tokens 0..9 cached blocks [0, 1] (hashes h0, h1);
         "b" = tokens 0..7 then 50..54 finds h0 and h1, misses the third full block: it gets
@@ -1087,7 +1048,7 @@ class PrefixCachingAllocator(BlockAllocator):
             self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
         self.hits += len(hits)
         self.misses += len(token_ids) // block_size - len(hits)
-        return hits + self.allocate_many(num_new), len(hits)
+        return hits
 
     def block_full(self, block, parent, token_ids):
         """Hash the block that just filled, and cache it unless its hash already is."""
@@ -1129,13 +1090,16 @@ class PrefixCachingAllocator(BlockAllocator):
             self.block_hash.pop(block, None)
             super()._give_back(block)
 
-    def _pop_free(self):
-        if len(self.free_block_ids) > 0 or self.next_unused < self.num_blocks:
-            return super()._pop_free()  # blocks no cache entry will miss go first
-        block = self.evictable.pop()
-        del self.cached_block_hash_to_block[self.block_hash.pop(block)]
-        self.evictions += 1
-        return block
+    def allocate(self):
+        """A free block: blocks no cache entry will miss go first; when none is left, the
+        policy's victim leaves the cache and joins the free list."""
+        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks \
+                and len(self.evictable) > 0:
+            block = self.evictable.pop()
+            del self.cached_block_hash_to_block[self.block_hash.pop(block)]
+            self.evictions += 1
+            self.free_block_ids.append(block)
+        return super().allocate()
 
 
 CHAT_SYSTEM_LEN = 200  # tokens of the system prompt every chat request starts with

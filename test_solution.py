@@ -4,6 +4,8 @@ The oracle behind every structure is a plain Python list of tokens: whatever the
 the block tables do, each sequence must read back exactly that list.
 """
 
+import ast
+import inspect
 import pathlib
 import random
 import re
@@ -80,7 +82,7 @@ class TestBlockPool:
         pool = BlockAllocator(3)
         blocks = [pool.allocate() for _ in range(3)]
         assert sorted(blocks) == [0, 1, 2] and pool.num_free == 0 and pool.num_used == 3
-        refused(pool.allocate, OutOfBlocksError, pool, [], match="all 3 blocks are in use")
+        refused(pool.allocate, OutOfBlocksError, pool, [], match="need 1 block.s., 0 of 3 free")
         assert issubclass(OutOfBlocksError, MemoryError)
 
     def test_allocate_many_is_all_or_nothing(self):
@@ -344,6 +346,39 @@ class TestSharing:
         check_invariants(pool, [root, *users])
 
 
+class TestCoreReadsAsTheLesson:
+    """Parts 1-3 are read first: short, in dependency order, nothing from a later part."""
+
+    SOURCE = pathlib.Path(solution.__file__).read_text().splitlines()
+
+    def part_lines(self, first, after):
+        """Line numbers (1-based) of the banner of Part first to the line before Part after."""
+        starts = [i for i, line in enumerate(self.SOURCE, 1) if line.startswith("# Part ")]
+        titles = [self.SOURCE[i - 1] for i in starts]
+        begin = starts[[t.startswith(f"# Part {first}.") for t in titles].index(True)] - 1
+        end = starts[[t.startswith(f"# Part {after}.") for t in titles].index(True)] - 1
+        while self.SOURCE[end - 2] == "":
+            end -= 1
+        return begin, end - 1
+
+    def test_parts_1_to_3_fit_300_lines_and_the_pool_80(self):
+        begin, end = self.part_lines(1, 4)
+        assert end - begin + 1 <= 300
+        pool = inspect.getsource(BlockAllocator).rstrip("\n").splitlines()
+        assert len(pool) <= 80
+
+    def test_parts_1_to_3_use_no_name_defined_in_a_later_part(self):
+        tree = ast.parse("\n".join(self.SOURCE))
+        begin, end = self.part_lines(1, 4)
+        later = {node.name if hasattr(node, "name") else target.id
+                 for node in tree.body if node.lineno > end
+                 for target in (getattr(node, "targets", None) or [node])
+                 if hasattr(node, "name") or isinstance(target, ast.Name)}
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)
+                and begin <= node.lineno <= end}
+        assert later and used and not used & later
+
+
 class TestChecks:
     """Part 4: the checks fail when they should; the randomized oracle test."""
 
@@ -385,7 +420,7 @@ class TestChecks:
 
     def test_fuzz_notices_a_broken_copy_on_write(self, monkeypatch):
         # The randomized test is only worth running if it catches the classic bug.
-        monkeypatch.setattr(Sequence, "_copy_last_block", lambda self: None)
+        monkeypatch.setattr(Sequence, "_copy_last_block", lambda self: self.block_table[-1])
         with pytest.raises(AssertionError):
             fuzz(BlockAllocator(12, 3), random.Random(0), 300)
 
