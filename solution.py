@@ -1704,6 +1704,10 @@ def compare_with_paper(runs):
 # its own tokens, plus one copy of the shared tail block if the fork happened mid-block.
 # Without sharing, every block-table entry would be a block of its own, so one run
 # measures both: the pool's blocks in use, and the sum of the tables' entries.
+# NOTE: vLLM v1's engine has neither fork nor beam search: n samples are child requests of
+# a ParentRequest (vllm/v1/engine/parallel_sampling.py) that share full blocks through the
+# prefix cache, and beam search runs above the engine (LLM.beam_search), as new requests.
+# Forking with copy-on-write of a partly full block is the paper's design and vLLM v0's.
 
 ALPACA = ("Alpaca", 19.31, 58.45)       # mean prompt / output tokens in the vLLM paper's
 SHAREGPT = ("ShareGPT", 161.31, 337.99)  # traces (its Fig. 11)
