@@ -1024,8 +1024,9 @@ class PrefixCachingAllocator(BlockAllocator):
         evictable block takes it out of num_free): all or nothing.
 
         Example: block_size 4, "a" = tokens 0..9 cached blocks [0, 1] (hashes h0, h1);
-        "b" = tokens 0..7 then 50..54 finds h0 and h1, misses the third full block: it gets
-        [0, 1] shared plus 2 new blocks, and 2 hits, 1 miss are counted.
+        "b" = tokens 0..7 then 50..54 finds h0 and h1, misses the third full block: this
+        returns [0, 1], now shared, and counts 2 hits and 1 miss; b's constructor then
+        writes tokens 50..54 into 2 new blocks (extend).
 
         NOTE: vLLM stops the walk one token short of the prompt (max_cache_hit_length =
         num_tokens - 1), so the model computes at least the last token and gets its

@@ -379,6 +379,57 @@ class TestCoreReadsAsTheLesson:
         assert later and used and not used & later
 
 
+class TestWorkedExamples:
+    """The worked examples in the docstrings of Parts 1-3 and 6, run exactly as written."""
+
+    def test_allocate_many(self):
+        pool = BlockAllocator(8)
+        assert pool.allocate_many(3) == [0, 1, 2]
+        pool.free(1)
+        pool.free(0)
+        assert pool.allocate_many(3) == [0, 1, 3]
+
+    def test_kv_slot_and_slot_mapping(self):
+        assert KVCache(4).block_slots(2)[1] == 9                  # block 2, offset 1 -> slot 9
+        table = BlockTable(16, [7, 2])
+        assert table.slot(17) == (2, 1) and table.slot_mapping(17, 18) == [33]
+        assert BlockTable(4, [3, 0, 5]).slot_mapping(6, 9) == [2, 3, 20]
+
+    def test_append_takes_a_block_exactly_at_the_boundary(self):
+        pool = BlockAllocator(4, 4)
+        pool.allocate_many(4)
+        pool.free(3)
+        seq = Sequence("s", pool, [5, 6, 7, 8])                   # table [3], full
+        for block in (2, 1, 0):
+            pool.free(block)                                      # block 0 is handed out next
+        seq.append(9)
+        assert seq.block_table == [3, 0] and pool.kv_cache.slots[0 * 4 + 0] == 9
+
+    def test_share_prefix(self):
+        pool = BlockAllocator(8, 16)
+        src = Sequence("src", pool, range(20))
+        a, b = src.block_table
+        x = share_prefix(src, "x", 18)
+        assert x.block_table == [a, b] and len(x) == 18
+        assert pool.refcount(a) == pool.refcount(b) == 2
+        x.append(99)                                              # the first to write b copies it
+        assert x.block_table[1] != b and src.read() == list(range(20))
+
+    def test_block_hash_chain(self):
+        h0 = hash_block_tokens(None, [1, 2, 3, 4])
+        h1 = hash_block_tokens(h0, [5, 6, 7, 8])
+        assert hash_block_tokens(hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8]) != h1
+
+    def test_held_prompt_blocks(self):
+        pool = PrefixCachingAllocator(8, 4)
+        a = Sequence("a", pool, range(10))
+        assert a.block_table[:2] == [0, 1]
+        b = Sequence("b", pool, [*range(8), *range(50, 55)])
+        assert b.block_table[:2] == [0, 1] and len(b.block_table) == 4
+        assert (pool.hits, pool.misses) == (2, 3)                # a's 2 misses, then b's 1
+        assert pool.refcount(0) == pool.refcount(1) == 2
+
+
 class TestChecks:
     """Part 4: the checks fail when they should; the randomized oracle test."""
 
