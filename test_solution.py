@@ -415,6 +415,12 @@ class TestWorkedExamples:
         x.append(99)                                              # the first to write b copies it
         assert x.block_table[1] != b and src.read() == list(range(20))
 
+    def test_reserve_max_len(self):
+        pool = BlockAllocator(200, 16)
+        table = solution.reserve_max_len(pool, list(range(768)), 2048)
+        assert len(table) == pool.num_used == 128 and solution.written_share(pool) == 0.375
+        assert len(Sequence("paged", pool, range(768)).block_table) == 48
+
     def test_block_hash_chain(self):
         h0 = hash_block_tokens(None, [1, 2, 3, 4])
         h1 = hash_block_tokens(h0, [5, 6, 7, 8])
