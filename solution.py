@@ -113,24 +113,25 @@ def check_int(value, name, low=1):
 
 
 class KVCache:
-    """The memory the blocks stand for: a flat array of slots; offset o of block b is slot
-    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). Its "KV" is the token
-    id itself, so sequences can be read back. NOTE: a dict of the slots written stands in
-    for the GPU tensor (an idle pool costs nothing); like GPU memory it is never cleared."""
+    """The memory the blocks stand for: a flat list of slots; offset o of block b is slot
+    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). Its "KV" is the token id,
+    so sequences read back. NOTE: vLLM allocates its KV tensor at start-up; this list grows
+    a block at a time as the pool first hands blocks out. Like GPU memory it is never cleared."""
 
     def __init__(self, block_size):
         self.block_size = block_size
-        self.slots = {}  # slot -> token id
+        self.slots = []  # slot -> token id, for every block handed out so far
 
     def write(self, slot_mapping, token_ids):
         """Store token_ids[i] in slot slot_mapping[i] (vLLM's reshape_and_cache kernel)."""
         if len(slot_mapping) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots")
-        self.slots.update(zip(slot_mapping, token_ids))
+        for slot, token in zip(slot_mapping, token_ids):
+            self.slots[slot] = token
 
     def gather(self, slot_mapping):
         """The token in each slot of slot_mapping, None where none was written."""
-        return list(map(self.slots.get, slot_mapping))
+        return [self.slots[slot] if slot < len(self.slots) else None for slot in slot_mapping]
 
     def block_slots(self, block):
         return range(block * self.block_size, (block + 1) * self.block_size)
@@ -170,6 +171,7 @@ class BlockAllocator:
         if len(self.free_block_ids) == 0:
             self.free_block_ids.append(self.next_unused)  # a block never handed out
             self.next_unused += 1
+            self.kv_cache.slots += [None] * self.block_size  # its slots (None: unwritten)
         block = self.free_block_ids.pop()
         self.ref_cnt[block] = 1
         return block
@@ -242,8 +244,7 @@ class BlockTable(list):
     def slot(self, i):
         """(physical block, offset) of token i."""
         if type(i) is not int or not 0 <= i < len(self) * self.block_size:
-            raise IndexError(f"token {i!r} is outside this table's "
-                             f"{len(self) * self.block_size} slots")
+            raise IndexError(f"token {i!r} not in the table's {len(self) * self.block_size} slots")
         return self[i // self.block_size], i % self.block_size
 
     def slot_mapping(self, start, end):
@@ -271,9 +272,8 @@ def check_tokens(tokens):
 
 class Sequence:
     """A request's tokens and the block table that says where each is stored. Invariant:
-    len(block_table) == cdiv(len(tokens), block_size), token i is at block_table.slot(i).
-    Tokens are only added: into the last block (in place only if no other reference to it
-    exists), then into new blocks."""
+    len(block_table) == cdiv(len(tokens), block_size), token i is at block_table.slot(i);
+    tokens go into the last block (in place only if nothing else references it), then new ones."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -786,7 +786,7 @@ def reserve_max_len(allocator, tokens, max_len):
 def written_share(allocator):
     """Share of the in-use slots that hold a token (in a fresh pool, None = never written)."""
     slots = [slot for block in allocator.ref_cnt for slot in allocator.kv_cache.block_slots(block)]
-    return sum(map(allocator.kv_cache.slots.__contains__, slots)) / len(slots)
+    return sum(allocator.kv_cache.slots[slot] is not None for slot in slots) / len(slots)
 
 
 def rounding_note(block_size, **lengths):
