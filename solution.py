@@ -114,9 +114,9 @@ def check_int(value, name, low=1):
 
 class KVCache:
     """The memory the blocks stand for: a flat list of slots; offset o of block b is slot
-    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). Its "KV" is the token id,
-    so sequences read back. NOTE: vLLM allocates its KV tensor at start-up; this list grows
-    a block at a time as the pool first hands blocks out. Like GPU memory it is never cleared."""
+    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). A slot holds a token id
+    as its "KV", so reads can be checked. NOTE: vLLM allocates its KV tensor at start-up;
+    this list grows by a block as the pool first hands each out. Like GPU memory, never cleared."""
 
     def __init__(self, block_size):
         self.block_size = block_size
@@ -200,9 +200,9 @@ class BlockAllocator:
     def read(self, block):
         return self.kv_cache.gather(self.kv_cache.block_slots(check_block(self, block, False)))
 
-    # Hooks for a prefix cache (Part 6): find a prompt's cached leading blocks (vLLM's
-    # get_computed_blocks), cache a block once full (cache_full_blocks), stop offering a
-    # block shared partly, keep freed cached blocks aside (_give_back, audit_kept).
+    # Hooks for a prefix cache (Part 6): held_prompt_blocks finds a prompt's cached blocks
+    # (vLLM's get_computed_blocks), block_full caches a full one (cache_full_blocks),
+    # share_tail un-caches one shared partly, _give_back and audit_kept keep freed ones aside.
     def held_prompt_blocks(self, token_ids):
         return []  # a plain pool remembers nothing
 
