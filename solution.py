@@ -200,10 +200,10 @@ class BlockAllocator:
     def read(self, block):
         return self.kv_cache.gather(self.kv_cache.block_slots(check_block(self, block, False)))
 
-    # Hooks for a prefix cache (Part 6): held_prompt_blocks finds a prompt's cached blocks
+    # Hooks for a prefix cache (Part 6): share_cached_prefix shares a prompt's cached blocks
     # (vLLM's get_computed_blocks), block_full caches a full one (cache_full_blocks),
     # share_tail un-caches one shared partly, _give_back and audit_kept keep freed ones aside.
-    def held_prompt_blocks(self, token_ids):
+    def share_cached_prefix(self, token_ids):
         return []  # a plain pool remembers nothing
 
     def block_full(self, block, parent, token_ids):
@@ -284,7 +284,7 @@ class Sequence:
         self.block_table = BlockTable(self.block_size)
         self.is_freed = False
         if len(token_ids) > 0:
-            self.block_table.extend(allocator.held_prompt_blocks(token_ids))  # or it raises
+            self.block_table.extend(allocator.share_cached_prefix(token_ids))  # or it raises
             self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
             self.extend(token_ids[len(self.tokens):])
 
@@ -895,7 +895,7 @@ def demo_cow(block_size=BLOCK_SIZE):
 # Freed cached blocks are not forgotten; they wait, still holding their KV, until memory
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same prefixes as paths in a radix tree).
-# It attaches to the pool through the hooks of Part 1: held_prompt_blocks (the lookup),
+# It attaches to the pool through the hooks of Part 1: share_cached_prefix (the lookup),
 # block_full (caching), share_tail (a block shared partly leaves the cache), _give_back
 # and audit_kept (freed cached blocks wait aside), and it overrides allocate (eviction).
 # NOTE: one hook would not do: the lookup must come before any block is allocated, so that
@@ -1021,10 +1021,10 @@ class PrefixCachingAllocator(BlockAllocator):
         """Evictable cached blocks right now."""
         return len(self.evictable)
 
-    def held_prompt_blocks(self, token_ids):
-        """The longest run of leading full blocks whose hashes are cached, each taken once
-        more, after checking there is room for the rest of the prompt too (reviving an
-        evictable block takes it out of num_free): all or nothing.
+    def share_cached_prefix(self, token_ids):
+        """The longest run of the prompt's leading full blocks whose hashes are cached, each
+        shared (ref-count + 1), after checking there is room for the rest of the prompt too
+        (reviving an evictable block takes it out of num_free): all or nothing.
 
         Example: block_size 4, "a" = tokens 0..9 cached blocks [0, 1] (hashes h0, h1);
         "b" = tokens 0..7 then 50..54 finds h0 and h1, misses the third full block: this

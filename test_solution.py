@@ -426,7 +426,7 @@ class TestWorkedExamples:
         h1 = hash_block_tokens(h0, [5, 6, 7, 8])
         assert hash_block_tokens(hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8]) != h1
 
-    def test_held_prompt_blocks(self):
+    def test_share_cached_prefix(self):
         pool = PrefixCachingAllocator(8, 4)
         a = Sequence("a", pool, range(10))
         assert a.block_table[:2] == [0, 1]
