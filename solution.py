@@ -252,7 +252,7 @@ class BlockTable(list):
         block_size 4, table [3, 0, 5]: tokens 6..8 are in blocks 0 (slots 0..3) and 5
         (slots 20..23), so slot_mapping(6, 9) == [2, 3, 20]."""
         if not 0 <= start <= end <= len(self) * self.block_size:
-            raise IndexError(f"tokens {start}..{end - 1} are outside this table's "
+            raise IndexError(f"tokens {start}..{end - 1} not in the table's "
                              f"{len(self) * self.block_size} slots")
         size, first = self.block_size, start // self.block_size
         slots = [slot for block in self[first:cdiv(end, size)]
@@ -284,7 +284,7 @@ class Sequence:
         self.block_table = BlockTable(self.block_size)
         self.is_freed = False
         if len(token_ids) > 0:
-            self.block_table.extend(allocator.share_cached_prefix(token_ids))  # or it raises
+            self.block_table.extend(allocator.share_cached_prefix(token_ids))  # Part 6's hits
             self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
             self.extend(token_ids[len(self.tokens):])
 
