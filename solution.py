@@ -124,8 +124,9 @@ class KVCache:
 
     def write(self, slot_mapping, token_ids):
         """Store token_ids[i] in slot slot_mapping[i] (vLLM's reshape_and_cache kernel)."""
-        if len(slot_mapping) != len(token_ids):
-            raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots")
+        room = range(len(self.slots))  # the slots of every block handed out so far
+        if len(slot_mapping) != len(token_ids) or not all(slot in room for slot in slot_mapping):
+            raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots of {room}")
         for slot, token in zip(slot_mapping, token_ids):
             self.slots[slot] = token
 
@@ -372,10 +373,9 @@ class Sequence:
 # requests sharing full blocks via the prefix cache, Part 6): this is the paper's and v0's.
 
 def share_prefix(src, seq_id, num_tokens=None):
-    """A new sequence whose first num_tokens tokens (default: all) are src's, stored in
-    src's physical blocks, a partly covered last block included. Example: src holds 20
-    tokens in blocks [a, b] (block_size 16); share_prefix(src, "x", 18) gives "x" the
-    table [a, b] (ref-counts 2 and 2) and 18 tokens; the first to write b copies it."""
+    """A new sequence whose first num_tokens tokens (default: all) are src's, in src's blocks,
+    a partly covered last one included. Example: src has 20 tokens in [a, b] (block_size 16);
+    share_prefix(src, "x", 18) gives x the table [a, b], ref-counts 2; who writes b copies it."""
     src._check_live()
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):

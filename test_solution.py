@@ -166,6 +166,9 @@ class TestBlockPool:
             table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
         refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
                 [], match="3 tokens for 2 slots")
+        for slots in ([2, 8], [-1, 2], ["2", 3]):                # block 2 was never handed out
+            refused(lambda: pool.kv_cache.write(slots, [1, 2]), ValueError, pool, [],
+                    match=re.escape("2 tokens for 2 slots of range(0, 8)"))
         pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
         assert pool.read(blocks[0]) == [None, None, 1, 2] and pool.read(blocks[1]) == [None] * 4
         assert pool.kv_cache.slots[:4] == [None, None, 1, 2]  # slot = block * block_size + offset
