@@ -2792,6 +2792,8 @@ def main(argv=None):
         if at + 1 >= len(names) or names[at + 1] in every:
             parser.error(TRACE_HELP)
         trace_path = names.pop(at + 1)
+    if args.requests is not None and trace_path is None:
+        parser.error("--requests applies to trace PATH only (no other section replays a file)")
     unknown = [name for name in names if name not in every and name != "trace"]
     if len(unknown) > 0:
         parser.error(f"unknown section {', '.join(unknown)}; choose from "

@@ -1158,7 +1158,8 @@ class TestCommandLine:
         (["--block-size", "x"], "--block-size: must be an int in 1..256, got 'x'"),
         (["--block-size", "257"], "got 257"),
         (["--seed", "-1"], "--seed: must be an int >= 0, got -1"),
-        (["nonsense"], "unknown section nonsense")])
+        (["nonsense"], "unknown section nonsense"),
+        (["memory", "--requests", "3"], "--requests applies to trace PATH only")])
     def test_bad_options_exit_2_with_one_line(self, capsys, argv, message):
         with pytest.raises(SystemExit) as stop:
             main(argv)
