@@ -180,7 +180,7 @@ class BlockAllocator:
     def allocate_many(self, n):
         """n blocks or none. New pool: allocate_many(3) -> [0, 1, 2]; then free(1), free(0),
         allocate_many(3) -> [0, 1, 3]."""
-        self.ensure_free(n)
+        self.ensure_free(check_int(n, "n", 0))
         return [self.allocate() for _ in range(n)]
 
     def share(self, block):
@@ -1001,6 +1001,9 @@ class PrefixCachingAllocator(BlockAllocator):
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)} or a policy "
                              f"object, got {policy!r}")
+        if not isinstance(policy, str) and not (isinstance(policy, LRU) and len(policy) == 0):
+            raise TypeError(f"a policy object must be a new, empty LRU (or subclass), got "
+                            f"{policy!r}")
         self.cached_block_hash_to_block = {}  # block hash -> block (vLLM's name for this map)
         self.block_hash = {}                  # block -> its block hash, every full block
         self.evictable = POLICIES[policy]() if isinstance(policy, str) else policy

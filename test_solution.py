@@ -89,6 +89,8 @@ class TestBlockPool:
         pool = BlockAllocator(4)
         pool.allocate()
         refused(lambda: pool.allocate_many(4), OutOfBlocksError, pool, [], match="need 4")
+        refused(lambda: pool.allocate_many(-1), ValueError, pool, [], match="n must be an int")
+        refused(lambda: pool.allocate_many(1.5), TypeError, pool, [], match="n must be an int")
         assert len(pool.allocate_many(3)) == 3
 
     def test_share_and_free_count_references(self):
@@ -1059,6 +1061,11 @@ class TestTrace:
             PrefixCachingAllocator(4, 2, "optimal")
         with pytest.raises(ValueError, match="policy must be one of"):
             PrefixCachingAllocator(4, 2, "random")
+        used = LRU()
+        used.add(3)  # a policy already ordering another pool's blocks would evict them here
+        for policy in (None, 3, used):
+            with pytest.raises(TypeError, match="must be a new, empty LRU"):
+                PrefixCachingAllocator(4, 2, policy)
         with pytest.raises(ValueError, match="cannot hold the trace's longest request"):
             replay_trace(trace([0, 1, 2]), 2, block_size=2)
 
