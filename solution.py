@@ -1789,6 +1789,9 @@ def parallel_sampling(prompt_len, n, output_len, share=True, block_size=BLOCK_SI
     samples = [first] + [first.fork(i) if share else Sequence(i, pool, prompt)
                          for i in range(1, n)]
     used, entries, done = [pool.num_used], [table_entries(samples)], []
+    for sample, output in zip(samples, outputs):
+        if len(output) == 0:
+            sample.free()  # nothing to decode: finished once its prompt is in
     for step in range(max(lengths)):
         for sample, output in zip(samples, outputs):
             if step < len(output):

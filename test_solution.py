@@ -992,6 +992,11 @@ class TestSweep:
         with pytest.raises(ValueError, match="2 lengths for n=3"):
             parallel_sampling(8, 3, [1, 4], block_size=4)
 
+    def test_a_sample_with_nothing_to_decode_is_freed_not_leaked(self):
+        assert parallel_sampling(8, 3, 0, block_size=4).used == [2]  # then all freed
+        run = parallel_sampling(8, 2, [0, 3], block_size=4)  # sample 0 ends with its prompt
+        assert run.used == [2, 3, 3, 3] and run.entries == [4, 3, 3, 3]
+
     def test_sweep_workloads_are_seeded_and_overflow_their_budget(self):
         first, again = sweep_workloads(), sweep_workloads()
         assert [w.requests for w in first] == [w.requests for w in again]
