@@ -1383,7 +1383,10 @@ class Scheduler:
         self.stats = PreemptionStats()
 
     def run(self, requests, max_steps=None):
-        """Serve requests until every one finishes; return req_id -> its tokens."""
+        """Serve requests until every one finishes; return req_id -> its tokens. max_steps
+        (None: no limit) stops a run that takes longer with RuntimeError."""
+        if max_steps is not None:
+            check_int(max_steps, "max_steps")
         self._refuse_what_cannot_run(requests)
         pending = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))
         final_len = {request.req_id: len(request.prompt) + request.max_tokens

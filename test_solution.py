@@ -856,6 +856,14 @@ class TestPreemption:
         assert finished == {0: expected_tokens(Request(0, [1], 2, 10**6))}
         assert run.stats.steps == 10**6 + 2
 
+    @pytest.mark.parametrize("max_steps, exception", [(0, ValueError), (-1, ValueError),
+                                                      (1.5, TypeError)])
+    def test_a_meaningless_max_steps_is_refused_before_any_step(self, max_steps, exception):
+        run = scheduler(8, 4)
+        refused(lambda: run.run([Request(0, [1], 2, 0)], max_steps=max_steps), exception,
+                run.gpu, [], match="max_steps must be an int >= 1")
+        assert run.finished == {} and run.running == {}
+
     def test_a_stalled_scheduler_raises_instead_of_looping(self, monkeypatch):
         run = scheduler(8, 4)
         monkeypatch.setattr(Scheduler, "_fits", lambda self, num_blocks: False)  # admits nothing
