@@ -718,14 +718,15 @@ def demo_pitfalls(block_size=BLOCK_SIZE, seed=None):
     pool = TableCountingPool(4, block_size)
     root = Sequence("root", pool, range(2 * block_size))
     forks = [root.fork(f"f{i}") for i in range(2)]
+    need = 1  # blocks the new request needs
     try:
-        Sequence("new", pool, range(block_size))
+        Sequence("new", pool, range(need * block_size))
         verdict = "admitted"
     except OutOfBlocksError as error:
         verdict = f"refused: {error}"
     print(f"4. counting table entries as blocks: root and {len(forks)} forks share "
           f"{len(root.block_table)} blocks; the pool counts {pool.num_used}")
-    print(f"   a 1-block request is {verdict};")
+    print(f"   a {need}-block request is {verdict};")
     print(f"   {pool.num_blocks - len(pool.ref_cnt)} blocks are really free")
     print(caught(pool, [root, *forks]))
 
@@ -1903,9 +1904,11 @@ def demo_beam(block_size=BLOCK_SIZE, seed=None):
         why = " (every writer but the last)" if mid_block else ""
         print(f"   prompt of {prompt_len} tokens ends {where}: {samples} samples make "
               f"{run.copies} copies{why}")
-    print("2. the beams after step 6 (prompt 10, width 4, block size 4), one row per beam id, "
-          "[block:ref-count]")
-    print("\n".join(beam_search(10, 4, 8, block_size=4, picture_step=6).picture))
+    prompt_len, width, output_len, size, step = 10, 4, 8, 4, 6  # small enough to draw
+    print(f"2. the beams after step {step} (prompt {prompt_len}, width {width}, block size "
+          f"{size}), one row per beam id, [block:ref-count]")
+    print("\n".join(beam_search(prompt_len, width, output_len, block_size=size,
+                                picture_step=step).picture))
     seeds = range(first, first + SHARING_SEEDS)
     savings = {}  # (dataset, kind) -> width -> [saving of each seed's trace]
     for dataset in (ALPACA, SHAREGPT):
@@ -2157,6 +2160,7 @@ def print_sweep_chart(rows):
 
 BENCH_POOLS = (1_000, 100_000, 1_000_000)  # blocks
 BENCH_REPEATS = 15
+BENCH_FULL = 0.9  # the share of the pool in use when a free list and a scan are compared
 
 
 def bench_knob_problems():
@@ -2164,6 +2168,9 @@ def bench_knob_problems():
             or type(BENCH_REPEATS) is not int or BENCH_REPEATS < 1:
         return ["BENCH_POOLS must be ints >= 100 (a bench uses a 20th of the smallest) and "
                 "BENCH_REPEATS an int >= 1"]
+    if not 0 <= BENCH_FULL <= 0.99:
+        return [f"BENCH_FULL must be in 0..0.99 (a share of the pool left in use), got "
+                f"{BENCH_FULL}"]
     return []
 
 
@@ -2273,10 +2280,10 @@ class ScanningAllocator:
 
 
 def bench_free_list(num_blocks, calls=200):
-    """allocate + free on a pool 90% full."""
+    """allocate + free on a pool BENCH_FULL full."""
     def make_run():
         pool = BlockAllocator(num_blocks)
-        pool.allocate_many(num_blocks * 9 // 10)
+        pool.allocate_many(int(num_blocks * BENCH_FULL))
         def run():
             for _ in range(calls):
                 pool.free(pool.allocate())
@@ -2285,9 +2292,9 @@ def bench_free_list(num_blocks, calls=200):
 
 
 def bench_scan(num_blocks, calls=20):
-    """allocate + free on a pool 90% full, its free blocks at the far end."""
+    """allocate + free on a pool BENCH_FULL full, its free blocks at the far end."""
     def make_run():
-        pool = ScanningAllocator(num_blocks, num_used=num_blocks * 9 // 10)
+        pool = ScanningAllocator(num_blocks, num_used=int(num_blocks * BENCH_FULL))
         def run():
             for _ in range(calls):
                 pool.free(pool.allocate())
@@ -2355,7 +2362,7 @@ def bench_against_the_limit(num_blocks, repeats, block_size):
 
 
 def bench_free_list_vs_scan(pools, repeats):
-    print("3. why a free list: allocate + free at a pool 90% full, ns per call")
+    print(f"3. why a free list: allocate + free at a pool {BENCH_FULL:.0%} full, ns per call")
     print("   pool blocks     free list   scanning (list.index)   scan / free list")
     for n in pools:
         free_list, scan = interleaved_ns_per_op([bench_free_list(n), bench_scan(n)], repeats)
@@ -2648,8 +2655,8 @@ def demo_trace(path, limit=None, block_size=BLOCK_SIZE):
 
 
 def print_trace_table(sizes, hits, total, ceiling):
-    print("   pool blocks   tokens (x512)      LRU     FIFO  optimal   LRU/optimal  "
-          "optimal/ceiling")
+    print(f"   pool blocks   {f'tokens (x{TRACE_ID_TOKENS})':>13}      LRU     FIFO  optimal   "
+          f"LRU/optimal  optimal/ceiling")
     for size in sizes:
         rates = [hits[policy, size] / total for policy in TRACE_POLICIES]
         share = hits["lru", size] / max(1, hits["optimal", size])

@@ -1015,7 +1015,10 @@ class TestSweep:
 class TestBench:
     """Part 10: the benchmark section."""
 
-    def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(self, capsys):
+    @pytest.mark.parametrize("full", [0.0, 0.5, 0.9, 0.99])
+    def test_bench_runs_end_to_end_at_tiny_sizes_and_prints_every_line(self, capsys,
+                                                                       monkeypatch, full):
+        monkeypatch.setattr(solution, "BENCH_FULL", full)
         demo_bench(pools=(100, 200), repeats=1)
         lines = capsys.readouterr().out.splitlines()
         assert lines[0].startswith("== bench") and len(lines) == 17 + 2  # a row per pool in 3.
@@ -1026,6 +1029,7 @@ class TestBench:
         assert any(line.endswith("x (target <= 5x)") for line in lines)
         assert any("x plain append (target <= 2x" in line for line in lines)
         assert any("largest/smallest <= 1.3x" in line for line in lines)
+        assert any(f"at a pool {full:.0%} full" in line for line in lines)
 
     def test_the_scanning_allocator_finds_the_first_free_block(self):
         pool = ScanningAllocator(5, num_used=3)
@@ -1199,6 +1203,7 @@ class TestCommandLine:
                                "margin at block size 128"),
         ("SWEEP_REQUESTS", 0, "SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"),
         ("BENCH_POOLS", (10, 100), "BENCH_POOLS must be ints >= 100"),
+        ("BENCH_FULL", 1.0, "BENCH_FULL must be in 0..0.99"),
         ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2")])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
                                                                     value, message):
