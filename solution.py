@@ -1352,6 +1352,14 @@ class Preempted:
     host_blocks: list = None  # where its KV waits, if swapped; None if it must recompute
 
 
+def admission_margin(num_blocks):
+    """Blocks that must stay free after an admission or a resume: 1% of the pool, at least 1,
+    so running sequences can still grow (else a newcomer is soon preempted again).
+    NOTE: vLLM v0's block manager keeps int(watermark * num_gpu_blocks), watermark=0.01,
+    which is 0 below 100 blocks; at least 1 here, for the small pools of the demos."""
+    return max(1, num_blocks // 100)
+
+
 class Scheduler:
     """Run requests to completion on a GPU pool, preempting when the pool runs out.
 
@@ -1410,14 +1418,8 @@ class Scheduler:
         self.stats.steps = step
         return self.finished
 
-    def _margin(self):
-        # NOTE: vLLM v0's admission margin (its block manager's watermark=0.01): admit or
-        # resume only if 1% of the pool (at least one block) stays free afterwards, so
-        # running sequences can still grow; else a newcomer is soon preempted again.
-        return max(1, self.gpu.num_blocks // 100)
-
     def _fits(self, num_blocks):
-        return self.gpu.num_free - num_blocks >= self._margin()
+        return self.gpu.num_free - num_blocks >= admission_margin(self.gpu.num_blocks)
 
     def _refuse_what_cannot_run(self, requests):
         """ValueError or TypeError, naming the request, before anything changes."""
@@ -1438,10 +1440,11 @@ class Scheduler:
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{name}: {error}") from None
             need = cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size)
-            if need + self._margin() > self.gpu.num_blocks:
+            margin = admission_margin(self.gpu.num_blocks)
+            if need + margin > self.gpu.num_blocks:
                 raise ValueError(f"{name} can never run: it needs {need} blocks, and the "
                                  f"{self.gpu.num_blocks}-block GPU pool admits only while "
-                                 f"{self._margin()} stay free")
+                                 f"{margin} stay free")
 
     def _resume(self, step):
         resumed = 0
@@ -1538,9 +1541,10 @@ def evict_knob_problems(block_size):
                         "1 <= low <= high")
     for size in sorted({block_size, *EVICT_SIZES}):  # part 1 runs one, the sweep all
         gpu_blocks = GPU_KV_TOKENS // size
-        if cdiv(largest, size) + max(1, gpu_blocks // 100) > gpu_blocks:
-            problems.append(f"GPU_KV_TOKENS must hold a {largest}-token request and the 1% "
-                            f"margin at block size {size}")
+        if cdiv(largest, size) + admission_margin(gpu_blocks) > gpu_blocks:
+            problems.append(f"GPU_KV_TOKENS must hold a {largest}-token request and the "
+                            f"{admission_margin(gpu_blocks)}-block admission margin at block "
+                            f"size {size}")
         if HOST_KV_TOKENS < size:
             problems.append(f"HOST_KV_TOKENS must hold one block at block size {size}")
     if min(NUM_LAYERS, HIDDEN_SIZE, PCIE_BYTES_PER_S, *PREFILL_TOKENS_PER_S) <= 0 or \

@@ -1199,8 +1199,8 @@ class TestCommandLine:
         ("BEAM_WIDTHS", (), "BEAM_WIDTHS must be"),
         ("MAX_FRAGMENTATION", 0, "MAX_FRAGMENTATION must be in (0, 1)"),
         ("HOST_KV_TOKENS", 200, "HOST_KV_TOKENS must hold one block at block size 256"),
-        ("GPU_KV_TOKENS", 600, "GPU_KV_TOKENS must hold a 450-token request and the 1% "
-                               "margin at block size 128"),
+        ("GPU_KV_TOKENS", 600, "GPU_KV_TOKENS must hold a 450-token request and the "
+                               "1-block admission margin at block size 128"),
         ("SWEEP_REQUESTS", 0, "SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"),
         ("BENCH_POOLS", (10, 100), "BENCH_POOLS must be ints >= 100"),
         ("BENCH_FULL", 1.0, "BENCH_FULL must be in 0..0.99"),
