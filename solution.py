@@ -2692,18 +2692,21 @@ def smallest_reaching(sizes, hits, policy, target):
     return f"{min(reached):,} blocks" if len(reached) > 0 else "none of these sizes"
 
 
+KNEE = 0.9  # the share of the ceiling where a hit-rate curve counts as flattened
+
+
 def print_trace_answers(sizes, hits, total, ceiling, three_m, name):
     def say(text):
         print("\n".join(textwrap.wrap(text, 96, initial_indent="   ",
                                       subsequent_indent="   ")))
-    for share in (0.5, 0.9):
+    for share in (0.5, KNEE):
         say(f"{share:.0%} of the ceiling: LRU at "
             f"{smallest_reaching(sizes, hits, 'lru', share * ceiling)}, the optimum at "
             f"{smallest_reaching(sizes, hits, 'optimal', share * ceiling)}")
-    knee = [size for size in sizes if hits["optimal", size] >= 0.9 * ceiling]
+    knee = [size for size in sizes if hits["optimal", size] >= KNEE * ceiling]
     if len(knee) > 0:
         gap = (hits["optimal", knee[0]] - hits["lru", knee[0]]) / total
-        say(f"at the knee ({knee[0]:,} blocks, where the optimum first reaches 90% of the "
+        say(f"at the knee ({knee[0]:,} blocks, where the optimum first reaches {KNEE:.0%} of the "
             f"ceiling), LRU leaves {gap:.1%} of full prompt blocks on the table")
     at_3m = hits["lru", three_m] / max(1, ceiling) if ("lru", three_m) in hits else None
     print("Quoted, Mooncake (FAST'25), on its conversation trace:")
