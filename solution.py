@@ -74,6 +74,7 @@ import hashlib
 import io
 import json
 import multiprocessing
+import os
 import heapq
 import itertools
 import math
@@ -1604,13 +1605,13 @@ def demo_evict(block_size=BLOCK_SIZE, seed=None):
     check_section_args(block_size, seed)
     first = 5 if seed is None else seed
     requests = preemption_workload(first)
-    low, high = PREFILL_TOKENS_PER_S, TRANSFER_LATENCY_S
+    rates, latencies = PREFILL_TOKENS_PER_S, TRANSFER_LATENCY_S
     print(f"== evict: preemption by recompute vs swap ({len(requests)} requests, "
           f"{GPU_KV_TOKENS}-token GPU pool) ==")
-    print(f"cost model (OPT-13B, the paper's model in 7.3): {KV_BYTES_PER_TOKEN // 1024} KiB "
-          f"of KV per token, {PCIE_BYTES_PER_S / 1e9:.0f} GB/s,")
-    print(f"   {high[0] * 1e6:g}-{high[1] * 1e6:g} us per copy, prefill {low[0]:,}-{low[1]:,} "
-          f"tokens/s (estimates: every figure is given at both ends)")
+    print("cost model (OPT-13B, the paper's model in 7.3; each estimate is given at both ends):")
+    print(f"   {KV_BYTES_PER_TOKEN // 1024} KiB of KV per token, {PCIE_BYTES_PER_S / 1e9:g} GB/s, "
+          f"{latencies[0] * 1e6:g}-{latencies[1] * 1e6:g} us per copy, prefill "
+          f"{rates[0]:,.0f}-{rates[1]:,.0f} tokens/s")
     print(f"1. block size {block_size}, a {HOST_KV_TOKENS}-token host pool; every request ends "
           f"with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps  "
@@ -1618,7 +1619,7 @@ def demo_evict(block_size=BLOCK_SIZE, seed=None):
     for policy in ("recompute", "swap"):
         stats = run_policy(policy, block_size, requests)
         ends = [stats.recompute_seconds(rate) + stats.swap_seconds(block_size, 1, latency)
-                for rate, latency in ((low[1], high[0]), (low[0], high[1]))]
+                for rate, latency in ((rates[1], latencies[0]), (rates[0], latencies[1]))]
         swapped = f"{stats.swapped_out_blocks}/{stats.swapped_in_blocks}"
         print(f"   {policy:<10}  {stats.preemptions:>11}  {stats.recomputed_tokens:>10}  "
               f"{swapped:>14}  {stats.host_fallbacks:>9}  {stats.steps:>5}  "
@@ -1642,8 +1643,8 @@ def evict_runs(seeds, block_sizes=EVICT_SIZES):
 def print_evict_sweep(rows):
     rate = sum(PREFILL_TOKENS_PER_S) / 2
     latency = sum(TRANSFER_LATENCY_S) / 2
-    print(f"2. recovery time by block size, one seed, at the estimates' midpoints ({rate:,.0f} "
-          f"tokens/s, {latency * 1e6:g} us/copy)")
+    print(f"2. recovery time by block size, one seed, at the midpoints: {rate:,.0f} tokens/s, "
+          f"{latency * 1e6:g} us/copy")
     print(f"   block  preemptions  tokens restored  recompute ms  swap ms  "
           f"swap ms, {PER_LAYER_TRANSFERS} copies/block")
     times = [(size, recovery_ms(tokens, blocks, size, 1, rate, latency),
@@ -1673,6 +1674,14 @@ def evict_ratios(runs, copies, tokens_per_s, latency_s):
     return ratios
 
 
+def ratio_cell(ratio):
+    """A ratio in at most 5 characters: 2 decimals while they fit (3.68), fewer after."""
+    for digits in (2, 1, 0):
+        if len(f"{ratio:.{digits}f}") <= 5:
+            return f"{ratio:.{digits}f}"
+    return f"{ratio:.0e}"  # 1e+04
+
+
 def compare_with_paper(runs):
     """Each of the paper's three claims in 7.3, checked at every block size, over every
     seed, and at both ends of both estimates; the verdicts are computed."""
@@ -1683,6 +1692,11 @@ def compare_with_paper(runs):
     print(f"3. vs the paper (7.3), over {len(runs)} seeds, quoted:")
     print("\n".join(textwrap.wrap(f'"{PAPER_73}"', 92, initial_indent="   ",
                                   subsequent_indent="   ")))
+    if len(sizes) == 0:
+        print("   ours: no request was preempted at any block size (the GPU pool holds the "
+              "workload):")
+        print("   nothing to compare")
+        return
     print("   ours: recompute time / swap time, the largest over the seeds (< 1: recompute "
           "is faster)")
     print("   copies  prefill/s  us/copy " + "".join(f"{size:>6}" for size in sizes))
@@ -1690,20 +1704,22 @@ def compare_with_paper(runs):
     for (copies, rate, latency), ratios in zip(settings, by_setting):
         worst = {size: round(max(values), 2) for size, values in ratios.items()}
         best = {size: round(min(values), 2) for size, values in ratios.items()}
-        print(f"   {copies:>6}  {rate:>9,}  {latency * 1e6:>7g} " + "".join(
-            f"{worst[size]:>6.2f}" if size in worst else f"{'-':>6}" for size in sizes))
+        print(f"   {copies:>6}  {rate:>9,.0f}  {latency * 1e6:>7g} " + "".join(
+            f"{ratio_cell(worst[size]) if size in worst else '-':>6}" for size in sizes))
         small, large = min(worst), max(worst)
         verdicts["shape"] += worst[small] < 1 < best[large]
         verdicts["20%"] += max(worst.values()) <= COMPARABLE
         verdicts["medium"] += all(1 / COMPARABLE <= best[s] and worst[s] <= COMPARABLE
                                   for s in worst if 16 <= s <= 64)
-    n = len(settings)
-    print(f"   small blocks favour recompute, large ones swap: holds in {verdicts['shape']} of "
-          f"{n} rows")
+    n, medium = len(settings), [size for size in sizes if 16 <= size <= 64]
+    print("   small blocks favour recompute, large ones swap: " + (
+        f"holds in {verdicts['shape']} of {n} rows" if len(sizes) > 1 else
+        f"not judged (preemptions at block size {sizes[0]} only)"))
     print(f"   recompute never more than {COMPARABLE}x swap, at every size: holds in "
           f"{verdicts['20%']} of {n} rows")
-    print(f"   comparable (within {COMPARABLE}x either way) at 16-64: holds in "
-          f"{verdicts['medium']} of {n} rows")
+    print(f"   comparable (within {COMPARABLE}x either way) at 16-64: " + (
+        f"holds in {verdicts['medium']} of {n} rows" if len(medium) > 0 else
+        "not judged (no preemptions at those sizes)"))
     if verdicts["20%"] < n:
         print("   Where ours falls outside, we think the difference is the model's: it charges "
               "recompute a")
@@ -1967,9 +1983,11 @@ SWEEP_REQUESTS = 16          # requests per workload
 def sweep_knob_problems():
     if len(SWEEP_SIZES) == 0 or not all(type(s) is int and s >= 1 for s in SWEEP_SIZES):
         return ["SWEEP_SIZES must be a non-empty tuple of ints >= 1"]
-    if not 0 < MAX_FRAGMENTATION < 1 or TABLE_ENTRY_BYTES < 1 or SWEEP_SYSTEM_LEN < 1:
-        return ["MAX_FRAGMENTATION must be in (0, 1), TABLE_ENTRY_BYTES and "
-                "SWEEP_SYSTEM_LEN >= 1"]
+    if not 0 < MAX_FRAGMENTATION < 1:
+        return [f"MAX_FRAGMENTATION must be in (0, 1), got {MAX_FRAGMENTATION}"]
+    if min(TABLE_ENTRY_BYTES, SWEEP_SYSTEM_LEN) < 1:
+        return ["TABLE_ENTRY_BYTES and SWEEP_SYSTEM_LEN must be >= 1 (the prefix reuse row "
+                "measures a shared system prompt)"]
     if min(SWEEP_SEEDS, SWEEP_REQUESTS) < 1:
         return ["SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"]
     return []
@@ -2144,12 +2162,13 @@ def print_sweep_table(rows):
 
 def print_sweep_chart(rows):
     """Two aligned bar charts: fragmentation (linear) and table bytes (log scale)."""
-    worst = max(row.fragmentation for row in rows)
+    worst = max(max(row.fragmentation for row in rows), 1e-9)  # a block size 1 wastes none
     low, high = (math.log2(f(row.table_bytes for row in rows)) for f in (min, max))
+    span = max(high - low, 1e-9)  # one block size: one table size
     print(f"   block  fragmentation, 0 to {worst:.0%}{' ' * 17}block tables, log scale")
     for row in rows:
         frag_bar = "#" * round(30 * row.fragmentation / worst)
-        table_bar = "#" * round(1 + 29 * (math.log2(row.table_bytes) - low) / (high - low))
+        table_bar = "#" * round(1 + 29 * (math.log2(row.table_bytes) - low) / span)
         print(f"   {row.block_size:>5}  |{frag_bar:<30} {row.fragmentation:>5.1%}  "
               f"|{table_bar:<30} {row.table_bytes / 1024:>6.1f} KiB")
 
@@ -2833,6 +2852,8 @@ def main(argv=None):
         if name == "trace":
             try:
                 demo_trace(trace_path, args.requests, args.block_size)
+            except BrokenPipeError:
+                raise  # the reader of the output went away: not the trace file's fault
             except (OSError, ValueError) as error:  # a missing file, a malformed line
                 parser.error(str(error))
         else:
@@ -2840,4 +2861,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()  # a broken pipe shows here, not at exit
+    except BrokenPipeError:  # the reader stopped early (python solution.py | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python docs' recipe
+        sys.exit(1)

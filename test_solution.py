@@ -6,9 +6,12 @@ the block tables do, each sequence must read back exactly that list.
 
 import ast
 import inspect
+import os
 import pathlib
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -54,7 +57,8 @@ def scheduler(gpu_blocks, host_blocks, block_size=2, policy="recompute"):
     return Scheduler(BlockAllocator(gpu_blocks, block_size), host, policy)
 
 
-TRACES = pathlib.Path(__file__).resolve().parent.parent / "shared" / "traces"
+HERE = pathlib.Path(solution.__file__).resolve().parent  # the folder of solution.py
+TRACES = HERE.parent / "shared" / "traces"
 
 
 def trace(*id_lists):
@@ -813,6 +817,29 @@ class TestPreemption:
             assert f"at every size: holds in {holds} of 8 rows" in out
             assert f"small blocks favour recompute, large ones swap: holds in 8 of 8 rows" in out
 
+    def test_the_paper_comparison_says_what_it_cannot_judge(self, capsys, monkeypatch):
+        monkeypatch.setattr(solution, "evict_ratios", lambda runs, *setting: {})  # no preemption
+        compare_with_paper({0: []})
+        assert "no request was preempted at any block size" in capsys.readouterr().out
+        monkeypatch.setattr(solution, "evict_ratios", lambda runs, *setting: {256: [0.8]})
+        compare_with_paper({0: []})
+        out = capsys.readouterr().out
+        assert "large ones swap: not judged (preemptions at block size 256 only)" in out
+        assert "at 16-64: not judged (no preemptions at those sizes)" in out
+
+    def test_a_ratio_cell_keeps_its_width_at_any_size(self):
+        cells = [solution.ratio_cell(r) for r in (3.684, 13.2, 145.67, 13238.7, 2e6)]
+        assert cells == ["3.68", "13.20", "145.7", "13239", "2e+06"]
+
+    @pytest.mark.parametrize("knob, value", [
+        ("PREFILL_TOKENS_PER_S", (1, 1)), ("PREFILL_TOKENS_PER_S", (1e6, 2e6)),
+        ("TRANSFER_LATENCY_S", (1e-3, 1e-3)), ("GPU_KV_TOKENS", 65_536)])
+    def test_evict_runs_and_fits_100_columns_at_the_knobs_extremes(self, capsys, monkeypatch,
+                                                                   knob, value):
+        monkeypatch.setattr(solution, knob, value)
+        main(["evict"])
+        assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
+
     def test_evict_prints_the_quote_and_every_block_size(self, capsys):
         main(["evict"])
         out = capsys.readouterr().out
@@ -943,6 +970,10 @@ class TestSweep:
             spots = line.split("sweet spots ")[1].split(";")[0].split(", ")
             inside = sum(s != "None" and low <= int(s) <= high for s in spots)
             assert f"{inside} of {len(spots)} inside {low}-{high}" in line
+
+    def test_the_chart_draws_a_single_block_size_that_wastes_nothing(self, capsys):
+        solution.print_sweep_chart([solution.SweepRow(1, 0.0, 10.0, 400, 5)])
+        assert "0 to 0%" in capsys.readouterr().out
 
     @pytest.mark.parametrize("block_size", [1, 2, 4, 8])
     def test_fragmentation_is_zero_when_every_length_is_a_multiple_of_the_block_size(
@@ -1189,6 +1220,16 @@ class TestCommandLine:
             main(argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and err.count("\n") == 1
+
+    @pytest.mark.parametrize("unbuffered", ["", "1"])
+    def test_a_reader_that_stops_early_gets_no_traceback(self, unbuffered):
+        # python solution.py | head: the pipe closes before the output is written
+        env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+        run = subprocess.Popen([sys.executable, "solution.py", "checks"], cwd=HERE, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        run.stdout.close()
+        err = run.stderr.read()
+        assert run.wait() == 1 and err == b""
 
     @pytest.mark.parametrize("knob, value, message", [
         ("MAX_LEN", 512, "MAX_LEN must be >= ACTUAL_LEN"),
