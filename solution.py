@@ -2459,8 +2459,8 @@ def parse_trace_line(line, where):
     if not isinstance(record, dict) or any(field not in record for field in TRACE_FIELDS):
         raise ValueError(f"{where}: a request needs the fields {', '.join(TRACE_FIELDS)}")
     timestamp, input_length, output_length, hash_ids = (record[f] for f in TRACE_FIELDS)
-    if type(timestamp) not in (int, float) or timestamp < 0:
-        raise ValueError(f"{where}: timestamp must be a number >= 0, got {timestamp!r}")
+    if type(timestamp) not in (int, float) or not 0 <= timestamp < math.inf:  # NaN too
+        raise ValueError(f"{where}: timestamp must be a finite number >= 0, got {timestamp!r}")
     for name, value in (("input_length", input_length), ("output_length", output_length)):
         if type(value) is not int or value < 0:
             raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
@@ -2468,7 +2468,8 @@ def parse_trace_line(line, where):
         raise ValueError(f"{where}: hash_ids must be a list of ints >= 0")
     if len(hash_ids) != cdiv(input_length, TRACE_ID_TOKENS):
         raise ValueError(f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} "
-                         f"(one per {TRACE_ID_TOKENS} tokens: {cdiv(input_length, 512)})")
+                         f"(one per {TRACE_ID_TOKENS} tokens: "
+                         f"{cdiv(input_length, TRACE_ID_TOKENS)})")
     return TraceRequest(timestamp, input_length, output_length, hash_ids)
 
 
@@ -2486,9 +2487,9 @@ def trace_prompt(request, block_size):
     full = request.input_length // TRACE_ID_TOKENS
     tokens = list(itertools.chain.from_iterable(
         range(h * block_size, (h + 1) * block_size) for h in request.hash_ids[:full]))
-    partial = trace_partial_len(request, block_size)
-    return tokens + list(range(request.hash_ids[-1] * block_size,
-                               request.hash_ids[-1] * block_size + partial))
+    partial = trace_partial_len(request, block_size)  # 0 when no id is partial (or none)
+    last = request.hash_ids[-1] * block_size if partial > 0 else 0
+    return tokens + list(range(last, last + partial))
 
 
 def trace_partial_len(request, block_size):
@@ -2657,6 +2658,9 @@ def demo_trace(path, limit=None, block_size=BLOCK_SIZE):
     if len(requests) == 0:
         raise ValueError(f"{path}: no requests")
     ceiling, total = trace_ceiling(requests)
+    if total == 0:
+        raise ValueError(f"{path}: no prompt fills a {TRACE_ID_TOKENS}-token hash id, so a "
+                         f"prefix cache has nothing to reuse")
     longest = max(trace_blocks_needed(r, block_size) for r in requests)
     infinite = never_evicts(requests, block_size)
     roomy = infinite.next_unused

@@ -1129,7 +1129,11 @@ class TestTrace:
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "1"}',
          "hash_ids must be a list"),
         ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
-         "2 hash_ids for input_length 1025")])
+         "2 hash_ids for input_length 1025 (one per 512 tokens: 3)"),
+        ('{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+         "timestamp must be a finite number >= 0, got nan"),
+        ('{"timestamp": Infinity, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+         "timestamp must be a finite number >= 0, got inf")])
     def test_a_malformed_trace_line_is_named(self, tmp_path, capsys, line, message):
         path = tmp_path / "t.jsonl"
         path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
@@ -1140,6 +1144,20 @@ class TestTrace:
             main(["trace", str(path)])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and err.count("\n") == 1
+
+    def test_a_trace_with_no_full_hash_id_is_refused_and_empty_prompts_replay(self, tmp_path,
+                                                                               capsys):
+        path = tmp_path / "t.jsonl"
+        path.write_text('{"timestamp": 0, "input_length": 0, "output_length": 3, "hash_ids": []}'
+                        '\n{"timestamp": 1, "input_length": 10, "output_length": 3, '
+                        '"hash_ids": [4]}\n')
+        with pytest.raises(SystemExit) as stop:
+            main(["trace", str(path)])
+        assert stop.value.code == 2
+        assert "no prompt fills a 512-token hash id" in capsys.readouterr().err
+        requests = load_trace(str(path))
+        assert trace_prompt(requests[0], 4) == [] and trace_prompt(requests[1], 4) == [16]
+        assert replay_trace(requests, 4, block_size=4).hits == 0  # an empty prompt replays
 
     def test_trace_without_a_path_or_file_says_where_to_get_one(self, capsys):
         for argv in (["trace"], ["trace", "/no/such/file.jsonl"]):
