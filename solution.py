@@ -1279,14 +1279,13 @@ class Request:
 @dataclass
 class PreemptionStats:
     preemptions: int = 0
-    recomputed_tokens: int = 0   # tokens prefilled again on resume (tokens)
+    recomputed_tokens: int = 0   # tokens prefilled again on resume
     swapped_out_blocks: int = 0  # blocks copied device -> host
     swapped_in_blocks: int = 0   # blocks copied host -> device
     host_fallbacks: int = 0      # swap wanted, host pool full: recomputed instead
     shared_fallbacks: int = 0    # swap wanted, victim holds a shared block: recomputed
-    steps: int = 0
-
     preempted_blocks: int = 0    # blocks the victims held when preempted
+    steps: int = 0               # scheduler steps until every request finished
 
     def recompute_seconds(self, tokens_per_s):
         return self.recomputed_tokens / tokens_per_s
