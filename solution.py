@@ -779,9 +779,12 @@ def reserve_max_len(allocator, tokens, max_len):
     """The scheme before paging: reserve max_len slots up front, then write the tokens.
     Example: block_size 16, max_len 2048, 768 tokens: cdiv(2048, 16) = 128 blocks are
     taken and 768 of their 2048 slots written (37.5%); paging would take 48 blocks."""
+    token_ids = check_tokens(tokens)
+    if check_int(max_len, "max_len", 0) < len(token_ids):
+        raise ValueError(f"max_len {max_len} cannot hold the {len(token_ids)} tokens")
     table = BlockTable(allocator.block_size, allocator.allocate_many(
         cdiv(max_len, allocator.block_size)))
-    allocator.kv_cache.write(table.slot_mapping(0, len(tokens)), tokens)  # the rest: unused
+    allocator.kv_cache.write(table.slot_mapping(0, len(token_ids)), token_ids)  # rest: unused
     return table
 
 

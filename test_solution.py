@@ -430,6 +430,14 @@ class TestWorkedExamples:
         assert len(table) == pool.num_used == 128 and solution.written_share(pool) == 0.375
         assert len(Sequence("paged", pool, range(768)).block_table) == 48
 
+    def test_reserve_max_len_refuses_what_cannot_fit_before_taking_blocks(self):
+        pool = BlockAllocator(8, 4)
+        refused(lambda: solution.reserve_max_len(pool, range(5), 2), ValueError, pool, [],
+                match="max_len 2 cannot hold the 5 tokens")
+        refused(lambda: solution.reserve_max_len(pool, [1], -1), ValueError, pool, [],
+                match="max_len must be an int >= 0")
+        refused(lambda: solution.reserve_max_len(pool, [1], 64), OutOfBlocksError, pool, [])
+
     def test_block_hash_chain(self):
         h0 = hash_block_tokens(None, [1, 2, 3, 4])
         h1 = hash_block_tokens(h0, [5, 6, 7, 8])
