@@ -325,7 +325,7 @@ class Sequence:
         pool, table, size, n = self.allocator, self.block_table, self.block_size, len(self)
         copy = len(token_ids) > 0 and n % size > 0 and pool.ref_cnt[table[-1]] > 1
         num_new = cdiv(n + len(token_ids), size) - len(table)
-        pool.ensure_free(num_new + copy)  # check, then act
+        pool.ensure_free(num_new + int(copy))  # check, then act
         if copy:
             self._copy_last_block()
         table.extend(pool.allocate_many(num_new))
@@ -2006,7 +2006,8 @@ class Workload:
 def sweep_workloads(seed=8, num_requests=None):
     """An Alpaca-like and a ShareGPT-like workload: prompt and output lengths drawn around
     the paper's means (draw_length, Part 8), each with a KV budget about half of it fits."""
-    rng, num_requests = random.Random(seed), num_requests or SWEEP_REQUESTS
+    rng = random.Random(seed)
+    num_requests = SWEEP_REQUESTS if num_requests is None else num_requests
     workloads = []
     for (name, prompt_mean, output_mean), kv_slots in ((ALPACA, 512), (SHAREGPT, 4_096)):
         lengths = [(draw_length(rng, prompt_mean, MAX_SEQ_LEN // 2),
