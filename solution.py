@@ -2007,7 +2007,8 @@ def sweep_workloads(seed=8, num_requests=None):
     """An Alpaca-like and a ShareGPT-like workload: prompt and output lengths drawn around
     the paper's means (draw_length, Part 8), each with a KV budget about half of it fits."""
     rng = random.Random(seed)
-    num_requests = SWEEP_REQUESTS if num_requests is None else num_requests
+    num_requests = check_int(SWEEP_REQUESTS if num_requests is None else num_requests,
+                             "num_requests")
     workloads = []
     for (name, prompt_mean, output_mean), kv_slots in ((ALPACA, 512), (SHAREGPT, 4_096)):
         lengths = [(draw_length(rng, prompt_mean, MAX_SEQ_LEN // 2),

@@ -1049,6 +1049,9 @@ class TestSweep:
         assert [w.requests for w in first] == [w.requests for w in again]
         for w in first:
             assert sum(len(p) + len(o) for p, o in w.requests) > w.kv_slots
+        assert [len(w.requests) for w in sweep_workloads(num_requests=3)] == [3, 3]
+        with pytest.raises(ValueError, match="num_requests must be an int >= 1, got 0"):
+            sweep_workloads(num_requests=0)  # not "the default": None is
 
 
 class TestBench:
