@@ -1843,6 +1843,8 @@ def beam_search(prompt_len, width, output_len, share=True, block_size=BLOCK_SIZE
     for value, name, low in [(prompt_len, "prompt_len", 0), (width, "width", 1),
                              (output_len, "output_len", 0), (block_size, "block_size", 1)]:
         check_int(value, name, low)
+    if picture_step is not None and check_int(picture_step, "picture_step", 0) >= output_len:
+        raise ValueError(f"picture_step {picture_step} is past the last of {output_len} steps")
     rng = random.Random(seed)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     prompt = random_tokens(rng, prompt_len)
@@ -1896,6 +1898,8 @@ def draw_length(rng, mean, cap):
 def sharing_trace(dataset, kind, width, seed, block_size=BLOCK_SIZE):
     """SHARING_REQUESTS requests with drawn lengths; for "parallel", width samples each
     with its own output length; for "beam", width beams. Returns the runs."""
+    if kind not in ("parallel", "beam"):
+        raise ValueError(f"kind must be 'parallel' or 'beam', got {kind!r}")
     _, prompt_mean, output_mean = dataset
     rng, runs = random.Random(seed), []
     for request in range(SHARING_REQUESTS):

@@ -1039,6 +1039,14 @@ class TestSweep:
         with pytest.raises(ValueError, match="2 lengths for n=3"):
             parallel_sampling(8, 3, [1, 4], block_size=4)
 
+    def test_a_picture_step_or_kind_that_names_nothing_is_refused(self):
+        for step, exception in ((8, ValueError), (-1, ValueError), ("6", TypeError)):
+            with pytest.raises(exception, match="picture_step"):
+                beam_search(10, 4, 8, block_size=4, picture_step=step)
+        assert len(beam_search(10, 4, 8, block_size=4, picture_step=7).picture) == 4
+        with pytest.raises(ValueError, match="kind must be 'parallel' or 'beam'"):
+            solution.sharing_trace(solution.ALPACA, "beams", 2, 0)
+
     def test_a_sample_with_nothing_to_decode_is_freed_not_leaked(self):
         assert parallel_sampling(8, 3, 0, block_size=4).used == [2]  # then all freed
         run = parallel_sampling(8, 2, [0, 3], block_size=4)  # sample 0 ends with its prompt
