@@ -2051,6 +2051,8 @@ def measure_block_size(workload, block_size):
     """
     check_int(block_size, "block_size")
     requests = workload.requests
+    if len(requests) == 0:
+        raise ValueError(f"workload {workload.name!r} has no requests to measure")
     total = sum(len(p) + len(o) for p, o in requests)
     budget = BlockAllocator(workload.kv_slots // block_size, block_size)
     rest = BlockAllocator(cdiv(total, block_size) + len(requests), block_size)

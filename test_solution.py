@@ -979,6 +979,10 @@ class TestSweep:
             inside = sum(s != "None" and low <= int(s) <= high for s in spots)
             assert f"{inside} of {len(spots)} inside {low}-{high}" in line
 
+    def test_an_empty_workload_is_named_not_measured(self):
+        with pytest.raises(ValueError, match="workload 'test' has no requests"):
+            measure_block_size(workload([], 64), 4)
+
     def test_the_chart_draws_a_single_block_size_that_wastes_nothing(self, capsys):
         solution.print_sweep_chart([solution.SweepRow(1, 0.0, 10.0, 400, 5)])
         assert "0 to 0%" in capsys.readouterr().out
