@@ -71,13 +71,13 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import heapq
 import io
+import itertools
 import json
+import math
 import multiprocessing
 import os
-import heapq
-import itertools
-import math
 import pickle
 import random
 import statistics
