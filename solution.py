@@ -791,6 +791,8 @@ def reserve_max_len(allocator, tokens, max_len):
 def written_share(allocator):
     """Share of the in-use slots that hold a token (in a fresh pool, None = never written)."""
     slots = [slot for block in allocator.ref_cnt for slot in allocator.kv_cache.block_slots(block)]
+    if len(slots) == 0:
+        raise ValueError("no block is in use: there is no written share to measure")
     return sum(allocator.kv_cache.slots[slot] is not None for slot in slots) / len(slots)
 
 
@@ -1790,7 +1792,7 @@ def saving(runs):
     the paper's "number of blocks we saved by sharing divided by the number of total blocks
     without sharing"."""
     used, entries = (sum(sum(getattr(run, name)) for run in runs) for name in ("used", "entries"))
-    return 1 - used / entries
+    return 1 - used / entries if entries > 0 else 0.0  # nothing needed: nothing saved
 
 
 def table_entries(sequences):
@@ -1810,7 +1812,7 @@ def parallel_sampling(prompt_len, n, output_len, share=True, block_size=BLOCK_SI
     rng = random.Random(seed)
     prompt = random_tokens(rng, prompt_len)
     outputs = [random_tokens(rng, length) for length in lengths]
-    pool = BlockAllocator(n * cdiv(prompt_len + max(lengths), block_size), block_size)
+    pool = BlockAllocator(max(1, n * cdiv(prompt_len + max(lengths), block_size)), block_size)
     first = Sequence(0, pool, prompt)
     samples = [first] + [first.fork(i) if share else Sequence(i, pool, prompt)
                          for i in range(1, n)]

@@ -1051,6 +1051,12 @@ class TestSweep:
         with pytest.raises(ValueError, match="kind must be 'parallel' or 'beam'"):
             solution.sharing_trace(solution.ALPACA, "beams", 2, 0)
 
+    def test_nothing_to_share_saves_nothing_instead_of_dividing_by_zero(self):
+        run = parallel_sampling(0, 4, 0)  # no prompt, no output: no block is ever needed
+        assert run.used == run.entries == [0] and saving([run]) == saving([]) == 0.0
+        with pytest.raises(ValueError, match="no block is in use"):
+            solution.written_share(BlockAllocator(4))
+
     def test_a_sample_with_nothing_to_decode_is_freed_not_leaked(self):
         assert parallel_sampling(8, 3, 0, block_size=4).used == [2]  # then all freed
         run = parallel_sampling(8, 2, [0, 3], block_size=4)  # sample 0 ends with its prompt
