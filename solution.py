@@ -2467,7 +2467,8 @@ def parse_trace_line(line, where):
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error.msg})") from None
+        raise ValueError(f"{where}: not JSON ({error.msg}); a trace is Mooncake-format "
+                         f"JSONL, one request per line") from None
     if not isinstance(record, dict) or any(field not in record for field in TRACE_FIELDS):
         raise ValueError(f"{where}: a request needs the fields {', '.join(TRACE_FIELDS)}")
     timestamp, input_length, output_length, hash_ids = (record[f] for f in TRACE_FIELDS)
