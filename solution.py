@@ -467,6 +467,9 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     then drops it. Returns a Counter of what happened, so a test can tell the run
     exercised every operation.
     """
+    check_int(num_ops, "num_ops", 0)
+    check_int(max_live, "max_live")
+    check_int(vocab, "vocab")
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     for step in range(num_ops):

@@ -505,6 +505,13 @@ class TestChecks:
         for op in ("create", "append", "extend", "fork", "share", "raw share", "free", "refused"):
             assert counts[op] > 0, f"the run never did {op}"
 
+    @pytest.mark.parametrize("knob, value, exception", [
+        ("num_ops", -1, ValueError), ("max_live", 0, ValueError), ("vocab", 0, ValueError),
+        ("vocab", 2.5, TypeError)])
+    def test_fuzz_names_a_meaningless_setting(self, knob, value, exception):
+        with pytest.raises(exception, match=f"{knob} must be an int"):
+            fuzz(BlockAllocator(12, 3), random.Random(0), **{"num_ops": 10, knob: value})
+
     @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
     @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
     def test_the_lab_checks_pass(self, check, block_size):
