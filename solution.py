@@ -1128,8 +1128,10 @@ CACHE_POOLS = (8192, 4096, 2048, 1024)  # tokens of KV in the "under pressure" p
 
 def cache_knob_problems(block_size):
     longest = CHAT_SYSTEM_LEN + CHAT_TURNS * (CHAT_QUESTION_LEN + CHAT_ANSWER_LEN)  # tokens
-    if CHAT_SYSTEM_LEN < 0 or len(CACHE_POOLS) == 0:
-        return ["CHAT_SYSTEM_LEN must be >= 0 and CACHE_POOLS not empty"]
+    if min(CHAT_SYSTEM_LEN, CHAT_QUESTION_LEN, CHAT_ANSWER_LEN) < 0 or CHAT_TURNS < 1 \
+            or len(CACHE_POOLS) == 0:
+        return ["CHAT_SYSTEM_LEN, CHAT_QUESTION_LEN and CHAT_ANSWER_LEN must be >= 0, "
+                "CHAT_TURNS >= 1 and CACHE_POOLS not empty"]
     if min(CACHE_POOLS) // block_size < cdiv(longest, block_size):
         return [f"every CACHE_POOLS size must hold a {longest}-token chat request at block "
                 f"size {block_size}"]
@@ -1542,6 +1544,12 @@ HOST_KV_TOKENS = 512  # tokens of KV the host pool holds in part 1 of the demo
 
 
 def evict_knob_problems(block_size):
+    if EVICT_SEEDS < 1 or len(EVICT_SIZES) == 0 or not all(
+            type(size) is int and 1 <= size <= MAX_BLOCK_SIZE for size in EVICT_SIZES):
+        return [f"EVICT_SEEDS must be >= 1 and EVICT_SIZES ints in 1..{MAX_BLOCK_SIZE}"]
+    if not COMPARABLE >= 1:
+        return [f"COMPARABLE must be >= 1 (the ratio within which two times are comparable), "
+                f"got {COMPARABLE}"]
     problems, largest = [], EVICT_PROMPT_LEN[1] + EVICT_OUTPUT_LEN[1]  # tokens
     if not 1 <= EVICT_PROMPT_LEN[0] <= EVICT_PROMPT_LEN[1] or \
             not 1 <= EVICT_OUTPUT_LEN[0] <= EVICT_OUTPUT_LEN[1]:
@@ -1560,9 +1568,6 @@ def evict_knob_problems(block_size):
             len(TRANSFER_LATENCY_S) != 2:
         problems.append("the cost model's constants must be > 0, and PREFILL_TOKENS_PER_S "
                         "and TRANSFER_LATENCY_S (low, high) pairs")
-    if EVICT_SEEDS < 1 or len(EVICT_SIZES) == 0 or max(EVICT_SIZES) > MAX_BLOCK_SIZE:
-        problems.append(f"EVICT_SEEDS must be >= 1 and EVICT_SIZES sizes in "
-                        f"1..{MAX_BLOCK_SIZE}")
     return problems
 
 
@@ -2784,6 +2789,8 @@ ON_REQUEST = {"bench": demo_bench}  # timings: run only when named
 
 def knob_problems_all(block_size):
     """Every reason the constants and this block size cannot run together."""
+    if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:  # the default
+        return [f"BLOCK_SIZE must be an int in 1..{MAX_BLOCK_SIZE}, got {block_size!r}"]
     return (knob_problems(block_size) + cache_knob_problems(block_size)
             + evict_knob_problems(block_size) + beam_knob_problems() + sweep_knob_problems()
             + bench_knob_problems() + trace_knob_problems())

@@ -1299,6 +1299,11 @@ class TestCommandLine:
         ("SWEEP_REQUESTS", 0, "SWEEP_SEEDS and SWEEP_REQUESTS must be >= 1"),
         ("BENCH_POOLS", (10, 100), "BENCH_POOLS must be ints >= 100"),
         ("BENCH_FULL", 1.0, "BENCH_FULL must be in 0..0.99"),
+        ("CHAT_TURNS", 0, "CHAT_TURNS >= 1"),
+        ("CHAT_ANSWER_LEN", -5, "CHAT_ANSWER_LEN must be >= 0"),
+        ("COMPARABLE", 0.5, "COMPARABLE must be >= 1"),
+        ("EVICT_SIZES", (0, 16), "EVICT_SIZES ints in 1..256"),
+        ("BLOCK_SIZE", 0, "BLOCK_SIZE must be an int in 1..256, got 0"),
         ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2")])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
                                                                     value, message):
