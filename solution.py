@@ -2856,6 +2856,8 @@ def main(argv=None):
                         help="trace: replay only the first N requests of the file")
     args = parser.parse_args(argv)
     names, trace_path = list(args.sections), None
+    if names.count("trace") > 1:
+        parser.error("trace PATH can be given once per run")
     if "trace" in names:  # trace PATH: the word after "trace" is the file
         at = names.index("trace")
         if at + 1 >= len(names) or names[at + 1] in every:

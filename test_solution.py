@@ -1268,7 +1268,8 @@ class TestCommandLine:
         (["--block-size", "257"], "got 257"),
         (["--seed", "-1"], "--seed: must be an int >= 0, got -1"),
         (["nonsense"], "unknown section nonsense"),
-        (["memory", "--requests", "3"], "--requests applies to trace PATH only")])
+        (["memory", "--requests", "3"], "--requests applies to trace PATH only"),
+        (["trace", "a.jsonl", "trace", "b.jsonl"], "trace PATH can be given once per run")])
     def test_bad_options_exit_2_with_one_line(self, capsys, argv, message):
         with pytest.raises(SystemExit) as stop:
             main(argv)
