@@ -765,11 +765,12 @@ def knob_problems(block_size):
     return problems
 
 
-def admit_until_full(admit, limit=None):
-    """Call admit(i) for i = 0, 1, ... until the pool refuses (or limit calls succeeded);
-    return how many fit."""
+def admit_until_full(admit, limit):
+    """Call admit(i) for i = 0, 1, ... until the pool refuses or limit calls succeeded;
+    return how many fit. limit bounds the loop: a pool of n blocks admits at most n
+    requests that take a block each."""
     count = 0
-    while limit is None or count < limit:
+    while count < limit:
         try:
             admit(count)
         except OutOfBlocksError:
@@ -816,8 +817,8 @@ def demo_memory(block_size=BLOCK_SIZE, seed=None):
     naive_pool = BlockAllocator(num_blocks, block_size)
     paged_pool = BlockAllocator(num_blocks, block_size)
     request = random_tokens(rng, ACTUAL_LEN)
-    naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
-    paged = admit_until_full(lambda i: Sequence(i, paged_pool, request))
+    naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN), num_blocks)
+    paged = admit_until_full(lambda i: Sequence(i, paged_pool, request), num_blocks)
     print(f"== memory efficiency: sequences that fit in a {num_blocks}-block pool ==")
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
