@@ -86,6 +86,7 @@ import textwrap
 import time
 import tracemalloc
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # tokens per block; vLLM's default on GPUs
@@ -264,6 +265,8 @@ class BlockTable(list):
 
 def check_tokens(tokens):
     """The one token check: tokens as a list if each is an int >= 0, else an error naming it."""
+    if not isinstance(tokens, Iterable):
+        raise TypeError(f"tokens must be an iterable of token ids, got {tokens!r}")
     token_ids = list(tokens)
     bad = [token for token in token_ids if type(token) is not int or token < 0]
     if len(bad) > 0:
@@ -285,10 +288,9 @@ class Sequence:
         self.tokens = []  # logical tokens, in order
         self.block_table = BlockTable(self.block_size)
         self.is_freed = False
-        if len(token_ids) > 0:
-            self.block_table.extend(allocator.share_cached_prefix(token_ids))  # Part 6's hits
-            self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
-            self.extend(token_ids[len(self.tokens):])
+        self.block_table.extend(allocator.share_cached_prefix(token_ids))  # Part 6's hits
+        self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
+        self.extend(token_ids[len(self.tokens):])
 
     def __len__(self):
         return len(self.tokens)
@@ -302,8 +304,7 @@ class Sequence:
             self._check_live()
             check_tokens([token])
         pool, table, block_size = self.allocator, self.block_table, self.block_size
-        n = len(self.tokens)
-        offset = n % block_size
+        offset = len(self.tokens) % block_size
         if offset == 0:
             block = pool.allocate()  # the last block is full: a new one
             table.append(block)
@@ -314,8 +315,7 @@ class Sequence:
         pool.kv_cache.slots[block * block_size + offset] = token  # write the slot
         self.tokens.append(token)
         if offset == block_size - 1:
-            pool.block_full(block, table[-2] if n >= block_size else None,
-                            self.tokens[n + 1 - block_size:])
+            pool.block_full(block, table[-2] if len(table) > 1 else None, self.tokens[-block_size:])
 
     def extend(self, tokens):
         """Add tokens, all or none, as a prefill does: make room (new blocks, a copy of a
@@ -367,16 +367,17 @@ class Sequence:
 # Part 3. Sharing a prefix, and copy-on-write
 # ---------------------------------------------------------------------------------------
 # Sharing costs one ref-count per block and copies nothing. Full blocks are never written
-# again, but the first sharer to append to a shared, partly full last block would write a
-# slot the others write too: so append and extend first copy a last block whose ref-count
-# is above 1, however that came about (_copy_last_block). The only copy there is.
-# NOTE: vLLM v1 has no fork and never shares a partly full block (n samples are separate
-# requests sharing full blocks via the prefix cache, Part 6): this is the paper's and v0's.
+# again; a shared, partly full last block would be, by whichever sharer appends first, so
+# append and extend copy a last block whose ref-count is above 1, however it came about
+# (_copy_last_block): the only copy there is. NOTE: as in the paper and vLLM v0; v1 has no
+# fork and never shares a partly full block (n samples share full blocks, Part 6's cache).
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence whose first num_tokens tokens (default: all) are src's, in src's blocks,
     a partly covered last one included. Example: src has 20 tokens in [a, b] (block_size 16);
     share_prefix(src, "x", 18) gives x the table [a, b], ref-counts 2; who writes b copies it."""
+    if not isinstance(src, Sequence):
+        raise TypeError(f"src must be a Sequence, got {type(src).__name__}")
     src._check_live()
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):
@@ -419,6 +420,8 @@ def check_invariants(allocator, sequences):
     sequences must include every live sequence on allocator (freed ones may be passed too):
     otherwise the references of the missing ones look like leaks.
     """
+    if not isinstance(allocator, BlockAllocator):
+        raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
     audit(allocator)
     references = Counter()
     for seq in sequences:
@@ -1320,7 +1323,7 @@ def next_token(req_id, position):
 def expected_tokens(request):
     """What request holds when done, with unlimited memory."""
     start = len(request.prompt)
-    return request.prompt + [next_token(request.req_id, p)
+    return list(request.prompt) + [next_token(request.req_id, p)
                              for p in range(start, start + request.max_tokens)]
 
 
@@ -1384,7 +1387,9 @@ class Scheduler:
     def __init__(self, gpu, host, policy, check=False):
         if policy not in ("recompute", "swap"):
             raise ValueError(f"policy must be 'recompute' or 'swap', got {policy!r}")
-        if not isinstance(gpu, BlockAllocator) or isinstance(gpu, PrefixCachingAllocator):
+        if not isinstance(gpu, BlockAllocator):
+            raise TypeError(f"gpu must be a BlockAllocator, got {type(gpu).__name__}")
+        if isinstance(gpu, PrefixCachingAllocator):
             # NOTE: with a prefix cache, a recomputed victim would find some of its blocks
             # cached (less to recompute) and a swapped-in one would need its hashes rebuilt;
             # both are real, and both would blur what this part measures.
@@ -1407,6 +1412,7 @@ class Scheduler:
         (None: no limit) stops a run that takes longer with RuntimeError."""
         if max_steps is not None:
             check_int(max_steps, "max_steps")
+        requests = list(requests)  # read twice below: a generator would be empty the second time
         self._refuse_what_cannot_run(requests)
         pending = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))
         final_len = {request.req_id: len(request.prompt) + request.max_tokens
@@ -1439,6 +1445,8 @@ class Scheduler:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be Request objects, got {request!r}")
             name = f"request {request.req_id!r}"
+            if type(request.req_id) is not int:  # next_token computes with it
+                raise TypeError(f"{name}: req_id must be an int")
             if request.req_id in seen:
                 raise ValueError(f"{name}: duplicate req_id")
             seen.add(request.req_id)
@@ -2463,12 +2471,16 @@ def load_trace(path, limit=None):
         check_int(limit, "limit")
     requests = []
     with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(requests) == limit:
-                break
-            if line.strip() == "":
-                continue
-            requests.append(parse_trace_line(line, f"{path}:{number}"))
+        try:
+            for number, line in enumerate(lines, 1):
+                if limit is not None and len(requests) == limit:
+                    break
+                if line.strip() == "":
+                    continue
+                requests.append(parse_trace_line(line, f"{path}:{number}"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text; a trace is Mooncake-format JSONL, one "
+                             f"request per line") from None
     return requests
 
 

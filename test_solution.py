@@ -245,8 +245,11 @@ class TestSequences:
     def test_sequence_needs_a_pool_and_iterable_tokens(self):
         with pytest.raises(TypeError, match="BlockAllocator"):
             Sequence("a", object())
-        with pytest.raises(TypeError):
-            Sequence("a", BlockAllocator(2), 5)
+        pool = BlockAllocator(2)
+        seq = Sequence("a", pool, [1])
+        refused(lambda: Sequence("b", pool, 5), TypeError, pool, [seq],
+                match="tokens must be an iterable of token ids, got 5")
+        refused(lambda: seq.extend(None), TypeError, pool, [seq], match="tokens must be")
 
     def test_use_after_free_is_refused(self):
         pool = BlockAllocator(4)
@@ -343,6 +346,13 @@ class TestSharing:
         src = Sequence("src", pool, range(10))
         refused(lambda: share_prefix(src, "x", num_tokens), exception, pool, [src],
                 match="num_tokens")
+
+    def test_share_prefix_of_something_not_a_sequence_is_a_type_error(self):
+        pool = BlockAllocator(8, 4)
+        src = Sequence("src", pool, range(10))
+        for wrong in ("src", src.block_table, None):  # was AttributeError: no _check_live
+            refused(lambda: share_prefix(wrong, "x"), TypeError, pool, [src],
+                    match="src must be a Sequence")
 
     def test_counting_physical_blocks_counts_shared_ones_once(self):
         pool = BlockAllocator(64)
@@ -516,6 +526,10 @@ class TestChecks:
     @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
     def test_the_lab_checks_pass(self, check, block_size):
         assert isinstance(check(block_size, 0), str)  # the check raises AssertionError if broken
+
+    def test_check_invariants_names_a_pool_that_is_not_one(self):
+        with pytest.raises(TypeError, match="allocator must be a BlockAllocator, got str"):
+            check_invariants("pool", [])  # was AttributeError deep in audit
 
     def test_check_invariants_refuses_a_sequence_of_another_pool(self):
         pool_a, pool_b = BlockAllocator(4, 4), BlockAllocator(4, 4)
@@ -801,6 +815,8 @@ class TestPreemption:
             Scheduler(BlockAllocator(4), BlockAllocator(4), "drop")
         with pytest.raises(ValueError, match="plain BlockAllocator"):
             Scheduler(PrefixCachingAllocator(4), BlockAllocator(4), "swap")
+        with pytest.raises(TypeError, match="gpu must be a BlockAllocator, got int"):
+            Scheduler(3, None, "recompute")  # was told it is "not a prefix cache"
         scheduler = Scheduler(BlockAllocator(2, 2), BlockAllocator(2, 2), "swap")
         with pytest.raises(ValueError, match="can never run"):
             scheduler.run([Request(0, [1, 2, 3], 5, 0)])
@@ -872,13 +888,25 @@ class TestPreemption:
         (BlockAllocator(8, 2), [Request(0, [1], -1, 0)], "max_tokens must be an int >= 0"),
         (BlockAllocator(8, 2), [Request(0, [1], 1.5, 0)], "max_tokens must be an int >= 0"),
         (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request(0, [2], 1, 0)], "duplicate req_id"),
-        (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids")])
+        (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids"),
+        (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request("b", [2], 1, 0)],
+         "request 'b': req_id must be an int"),
+        (BlockAllocator(8, 2), [Request(0, None, 1, 0)], "request 0: tokens must be")])
     def test_the_scheduler_refuses_what_can_never_run_before_changing_anything(self, gpu, requests,
                                                                                message):
         host = BlockAllocator(4, gpu.block_size)
         run = Scheduler(gpu, host, "recompute")
-        refused(lambda: run.run(requests, max_steps=1000), ValueError, gpu, [], match=message)
+        refused(lambda: run.run(requests, max_steps=1000), (TypeError, ValueError), gpu, [],
+                match=message)
         assert run.finished == {} and run.running == {} and host.num_used == 0
+
+    def test_requests_may_come_from_a_generator(self):
+        # run reads the requests twice (checks, then the queue); a generator used to be
+        # empty the second time, and the run returned {} as if nothing had been asked
+        requests = [Request(i, [i, i], 3, i) for i in range(3)]
+        finished = scheduler(8, 4).run(request for request in requests)
+        assert finished == {r.req_id: expected_tokens(r) for r in requests}
+        assert expected_tokens(Request(0, (5, 6), 1, 0))[:2] == [5, 6]  # a tuple prompt too
 
     def test_swap_needs_a_host_pool_of_the_same_block_size(self):
         with pytest.raises(ValueError, match="needs a host pool"):
@@ -1180,6 +1208,16 @@ class TestTrace:
             main(["trace", str(path)])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and err.count("\n") == 1
+
+    def test_a_file_that_is_not_text_is_named(self, tmp_path, capsys):
+        path = tmp_path / "t.bin"
+        path.write_bytes(b'{"timestamp": 0}\n\xd0\x00\xff\n')
+        with pytest.raises(ValueError, match="t.bin: not UTF-8 text"):
+            load_trace(str(path))
+        with pytest.raises(SystemExit) as stop:
+            main(["trace", str(path)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "t.bin: not UTF-8 text" in err and err.count("\n") == 1
 
     def test_a_trace_with_no_full_hash_id_is_refused_and_empty_prompts_replay(self, tmp_path,
                                                                                capsys):
