@@ -404,6 +404,11 @@ def _expect(condition, message):
         raise AssertionError(message)
 
 
+def plural(n, noun):
+    """n and its noun, for messages: plural(1, "block") == "1 block", plural(2, ...) "2 blocks"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def audit(pool):
     """Raise AssertionError if the pool's free blocks and ref-counts disagree."""
     free = [*pool.free_block_ids, *range(pool.next_unused, pool.num_blocks), *pool.audit_kept()]
@@ -432,8 +437,9 @@ def check_invariants(allocator, sequences):
             continue
         need = cdiv(len(seq.tokens), allocator.block_size)
         _expect(len(seq.block_table) == need,
-                f"block count: sequence {seq.seq_id!r} holds {len(seq.block_table)} blocks "
-                f"for {len(seq.tokens)} tokens, needs {need}")
+                f"block count: sequence {seq.seq_id!r} holds "
+                f"{plural(len(seq.block_table), 'block')} for {plural(len(seq.tokens), 'token')}"
+                f", needs {need}")
         references.update(seq.block_table)
         _expect(seq.read() == seq.tokens,
                 f"read-back: sequence {seq.seq_id!r} reads back tokens it was not given")
@@ -716,8 +722,8 @@ def demo_pitfalls(block_size=BLOCK_SIZE, seed=None):
     a = OffByOneSequence("a", pool, range(block_size))  # exactly one full block
     b = Sequence("b", pool, range(100, 100 + block_size))  # the next physical block
     a.append(99)
-    print(f"3. the block-boundary off-by-one: a holds {block_size} tokens (one full block "
-          f"{a.block_table[0]}), b block {b.block_table[0]};")
+    print(f"3. the block-boundary off-by-one: a holds {plural(block_size, 'token')} (one full "
+          f"block {a.block_table[0]}), b block {b.block_table[0]};")
     print(f"   a.append(99) takes no new block and writes offset {block_size} of block "
           f"{a.block_table[-1]}: slot {block_size * (a.block_table[-1] + 1)}, inside b's block")
     print(f"   b wrote {b.tokens[0]} first, reads back {b.read()[0]}")
@@ -806,8 +812,9 @@ def written_share(allocator):
 def rounding_note(block_size, **lengths):
     """Lines saying which lengths block_size does not divide, so that counts differ from the
     default block size's (none at the default, or when it divides them all)."""
-    uneven = [f"{name}={n} takes {cdiv(n, block_size)} blocks ({cdiv(n, block_size) * block_size}"
-              f" slots)" for name, n in lengths.items() if n % block_size != 0]
+    uneven = [f"{name}={n} takes {plural(cdiv(n, block_size), 'block')} "
+              f"({cdiv(n, block_size) * block_size} slots)"
+              for name, n in lengths.items() if n % block_size != 0]
     if len(uneven) == 0 or block_size == BLOCK_SIZE:
         return []
     return textwrap.wrap(f"(at block size {block_size}, {'; '.join(uneven)}: the numbers "
@@ -1245,8 +1252,8 @@ def cache_chained_hashes(block_size):
         b.block_table[1]] else "different"
     hits_b = pool.hits
     c = Sequence("c", pool, x + y + [3 * block_size + 1])
-    print(f"4. chained hashes: a = X+Y, b = Z+Y; block Y holds the same {block_size} tokens "
-          f"in both")
+    print(f"4. chained hashes: a = X+Y, b = Z+Y; block Y holds the same "
+          f"{plural(block_size, 'token')} in both")
     print(f"   hash of Y's tokens alone: {alone} -> a per-block cache would give b a's "
           f"block (KV made after X)")
     print(f"   chained hash of Y       : {chained} -> a {list(a.block_table)}, "

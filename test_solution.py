@@ -549,8 +549,18 @@ class TestPitfalls:
         assert "b wrote [0, 1, 2]..., reads back [100, 101, 102]... (c's tokens)" in out
         assert "b wrote 99 last, reads back 7" in out
         assert "b wrote 100 first, reads back 99" in out
-        assert "block count: sequence 'a' holds 1 blocks for 17 tokens, needs 2" in out
+        assert "block count: sequence 'a' holds 1 block for 17 tokens, needs 2" in out
         assert "a 1-block request is refused" in out
+
+    def test_a_count_of_one_reads_in_the_singular(self, capsys):
+        # "holds 1 blocks for 17 tokens" was the default output; at block size 1, "1 tokens"
+        main(["--block-size", "1", "pitfalls", "cache"])
+        out = capsys.readouterr().out
+        assert "a holds 1 token (" in out and "holds the same 1 token in both" in out
+        main(["--block-size", "256", "sharing"])
+        out += capsys.readouterr().out
+        assert "USER_LEN=40 takes 1 block (256 slots)" in out
+        assert re.search(r"\b1 (tokens|blocks)\b", out) is None
 
     @pytest.mark.parametrize("broken", [solution.EagerFreePool, solution.TableCountingPool])
     def test_the_randomized_test_catches_each_broken_pool(self, broken):
