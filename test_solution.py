@@ -898,17 +898,23 @@ class TestPreemption:
         (BlockAllocator(8, 2), [Request(0, [1], -1, 0)], "max_tokens must be an int >= 0"),
         (BlockAllocator(8, 2), [Request(0, [1], 1.5, 0)], "max_tokens must be an int >= 0"),
         (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request(0, [2], 1, 0)], "duplicate req_id"),
-        (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids"),
-        (BlockAllocator(8, 2), [Request(0, [1], 1, 0), Request("b", [2], 1, 0)],
-         "request 'b': req_id must be an int"),
-        (BlockAllocator(8, 2), [Request(0, None, 1, 0)], "request 0: tokens must be")])
+        (BlockAllocator(8, 2), [Request(0, [1, -4], 1, 0)], "request 0: token ids")])
     def test_the_scheduler_refuses_what_can_never_run_before_changing_anything(self, gpu, requests,
                                                                                message):
         host = BlockAllocator(4, gpu.block_size)
         run = Scheduler(gpu, host, "recompute")
-        refused(lambda: run.run(requests, max_steps=1000), (TypeError, ValueError), gpu, [],
-                match=message)
+        refused(lambda: run.run(requests, max_steps=1000), ValueError, gpu, [], match=message)
         assert run.finished == {} and run.running == {} and host.num_used == 0
+
+    @pytest.mark.parametrize("requests, message", [
+        ([Request(0, [1], 1, 0), Request("b", [2], 1, 0)], "request 'b': req_id must be an int"),
+        ([Request(0, None, 1, 0)], "request 0: tokens must be an iterable")])
+    def test_a_request_of_the_wrong_type_is_refused_before_anything_runs(self, requests,
+                                                                          message):
+        # a str req_id used to crash in next_token mid-run, after admissions had taken blocks
+        run = scheduler(8, 4)
+        refused(lambda: run.run(requests), TypeError, run.gpu, [], match=message)
+        assert run.finished == {} and run.running == {} and run.host.num_used == 0
 
     def test_requests_may_come_from_a_generator(self):
         # run reads the requests twice (checks, then the queue); a generator used to be
@@ -1154,6 +1160,17 @@ class TestTrace:
         hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
                 for policy in ("lru", "fifo", "optimal")}
         assert hits == {"lru": 2, "fifo": 1, "optimal": 2}
+
+    def test_fifo_keeps_its_heap_within_twice_the_evictable_blocks(self):
+        # Each hit leaves the block's heap entry behind (lazy deletion); with no eviction to
+        # pop them, the heap grew with the number of hits, not with the pool.
+        pool = PrefixCachingAllocator(8, 2, "fifo")
+        for _ in range(1000):
+            Sequence("s", pool, [1, 2, 3, 4]).free()
+        assert pool.hits == 2 * 999 and len(pool.evictable) == 2
+        assert len(pool.evictable.heap) <= 2 * len(pool.evictable)
+        taken = pool.allocate_many(8)  # every block: both cached ones evicted, first cached first
+        assert pool.evictions == 2 and taken[-2:] == [0, 1]
 
     def test_the_optimum_beats_lru_and_fifo_when_both_evict_the_block_needed_next(self):
         # At [C] both LRU and FIFO evict A; the optimum evicts B (never used again) and hits A.
