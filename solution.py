@@ -976,34 +976,49 @@ class LRU:
         return self.order.popitem(last=False)[0]
 
 
-class FIFO(LRU):
-    """Evict the block cached longest ago, whatever its reuse since: a hit does not save
-    it. NOTE: a heap with lazy deletion, O(log n) per eviction; the lab's baseline, not
-    the core. A hit leaves the block's entry behind, so the heap is rebuilt from the
-    evictable blocks when it holds more than twice as many entries (O(1) amortized)."""
+class KeyedPolicy(LRU):
+    """Evict the evictable block with the smallest key(block), ties to the smallest id.
+
+    NOTE: a heap with lazy deletion, O(log n) per eviction: a block hit again, or whose key
+    changed, leaves its old entry behind, skipped when popped. When entries outnumber
+    evictable blocks twice over, the heap is rebuilt from the live ones (O(1) amortized),
+    so it stays within twice the pool. The lab's baselines, not its core."""
 
     def __init__(self):
         super().__init__()
-        self.since = {}                # cached block -> when it was cached
-        self.heap = []                 # (when cached, block), stale entries included
+        self.heap = []  # (key, block), stale entries included
+
+    def key(self, block):
+        raise NotImplementedError
+
+    def add(self, block):
+        super().add(block)
+        heapq.heappush(self.heap, (self.key(block), block))
+        if len(self.heap) > 2 * len(self.order):
+            self.heap = [(self.key(block), block) for block in self.order]
+            heapq.heapify(self.heap)
+
+    def pop(self):
+        while True:
+            key, block = heapq.heappop(self.heap)
+            if block in self.order and self.key(block) == key:  # else a stale entry
+                del self.order[block]
+                return block
+
+
+class FIFO(KeyedPolicy):
+    """Evict the block cached longest ago, whatever its reuse since: a hit does not save it."""
+
+    def __init__(self):
+        super().__init__()
+        self.since = {}  # block -> when it was last cached
         self.clock = itertools.count()
 
     def cached(self, block):
         self.since[block] = next(self.clock)
 
-    def add(self, block):
-        super().add(block)
-        heapq.heappush(self.heap, (self.since[block], block))
-        if len(self.heap) > 2 * len(self.order):  # mostly stale entries: keep the live ones
-            self.heap = [(self.since[block], block) for block in self.order]
-            heapq.heapify(self.heap)
-
-    def pop(self):
-        while True:
-            since, block = heapq.heappop(self.heap)
-            if block in self.order and self.since[block] == since:
-                del self.order[block], self.since[block]
-                return block
+    def key(self, block):
+        return self.since[block]
 
 
 POLICIES = {"lru": LRU, "fifo": FIFO}
@@ -2568,7 +2583,7 @@ def trace_ceiling(requests):
     return hits, total
 
 
-class OptimalPolicy(LRU):
+class OptimalPolicy(KeyedPolicy):
     """Belady's offline optimum: evict the evictable block whose next use is farthest away,
     blocks never used again first; on a tie, the deeper block (it needs its parent).
 
@@ -2576,25 +2591,15 @@ class OptimalPolicy(LRU):
     cache adds one twist: a block hits only if its parent does. But every request that
     uses a child uses its parent, so a child's next use is never before its parent's, and
     the tie goes to the child: the policy never keeps a child it cannot reach. The replay
-    sets next_use, which needs the future (a heap with lazy deletion, O(log n))."""
+    sets next_use, which needs the future."""
 
     def __init__(self):
         super().__init__()
         self.next_use = {}  # block -> (index of the next request using it, depth)
-        self.heap = []      # (-next request, -depth, block), stale entries included
 
-    def add(self, block):
-        super().add(block)
+    def key(self, block):
         next_request, depth = self.next_use.get(block, (math.inf, 0))
-        heapq.heappush(self.heap, (-next_request, -depth, block))
-
-    def pop(self):
-        while True:
-            next_request, depth, block = heapq.heappop(self.heap)
-            if block in self.order and self.next_use.get(block, (math.inf, 0)) == (
-                    -next_request, -depth):
-                del self.order[block]
-                return block
+        return -next_request, -depth  # the smallest key: the farthest use, the deepest block
 
 
 def next_uses(requests):
