@@ -1119,13 +1119,13 @@ class PrefixCachingAllocator(BlockAllocator):
         return self.share(block)
 
     def audit_kept(self):
-        cached = {block: key for key, block in self.cached_block_hash_to_block.items()}
-        _expect(all(self.block_hash.get(block) == key for block, key in cached.items()),
-                "cache: the hash -> block and block -> hash maps disagree")
+        cached = self.cached_block_hash_to_block
+        _expect(all(self.block_hash.get(block) == block_hash for block_hash, block in
+                    cached.items()), "cache: the hash -> block and block -> hash maps disagree")
         _expect(all(block in self.ref_cnt or block in self.evictable
                     for block in self.block_hash), "cache: a hashed block is neither in use "
                 "nor evictable")
-        evictable = [block for block in cached if block in self.evictable]
+        evictable = [block for block in cached.values() if block in self.evictable]
         _expect(len(evictable) == len(self.evictable), "cache: an evictable block is not "
                 "cached")
         return evictable

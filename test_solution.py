@@ -617,6 +617,19 @@ class TestDemos:
 class TestPrefixCache:
     """Part 6: automatic prefix caching."""
 
+    @pytest.mark.parametrize("corrupt, message", [
+        (lambda pool: pool.block_hash.update({0: b"other"}), "maps disagree"),
+        (lambda pool: pool.block_hash.update({5: b"lost"}), "neither in use nor evictable"),
+        (lambda pool: pool.cached_block_hash_to_block.pop(pool.block_hash[0]),
+         "an evictable block is not cached")])
+    def test_the_cache_audit_names_each_broken_cache_invariant(self, corrupt, message):
+        pool = PrefixCachingAllocator(8, 2)
+        Sequence("a", pool, [1, 2, 3, 4]).free()  # blocks 0 and 1: cached, evictable
+        check_invariants(pool, [])
+        corrupt(pool)
+        with pytest.raises(AssertionError, match=message):
+            check_invariants(pool, [])
+
     def test_cache_hits_and_misses_on_an_exact_scenario(self):
         pool = PrefixCachingAllocator(16, 4)
         assert (pool.hits, pool.misses, pool.hit_rate, pool.num_cached) == (0, 0, 0.0, 0)
