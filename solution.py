@@ -2647,11 +2647,15 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, uses
 
 TRACE_POLICIES = ("lru", "fifo", "optimal")
 TRACE_SIZES = 6  # pool sizes on a log scale from the longest request to "never evicts"
+KNEE = 0.9  # the share of the ceiling where a hit-rate curve counts as flattened
 
 
 def trace_knob_problems():
-    return [] if type(TRACE_SIZES) is int and TRACE_SIZES >= 2 else [
+    problems = [] if type(TRACE_SIZES) is int and TRACE_SIZES >= 2 else [
         "TRACE_SIZES must be an int >= 2 (the smallest and the largest pool)"]
+    if not 0 < KNEE <= 1:
+        problems.append(f"KNEE must be in (0, 1] (a share of the ceiling), got {KNEE}")
+    return problems
 
 
 def never_evicts(requests, block_size):
@@ -2764,8 +2768,6 @@ def smallest_reaching(sizes, hits, policy, target):
     reached = [size for size in sizes if hits[policy, size] >= target]
     return f"{min(reached):,} blocks" if len(reached) > 0 else "none of these sizes"
 
-
-KNEE = 0.9  # the share of the ceiling where a hit-rate curve counts as flattened
 
 
 def print_trace_answers(sizes, hits, total, ceiling, three_m, name):

@@ -1384,7 +1384,8 @@ class TestCommandLine:
         ("COMPARABLE", 0.5, "COMPARABLE must be >= 1"),
         ("EVICT_SIZES", (0, 16), "EVICT_SIZES ints in 1..256"),
         ("BLOCK_SIZE", 0, "BLOCK_SIZE must be an int in 1..256, got 0"),
-        ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2")])
+        ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2"),
+        ("KNEE", 0, "KNEE must be in (0, 1]"), ("KNEE", 1.5, "KNEE must be in (0, 1]")])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
                                                                     value, message):
         monkeypatch.setattr(solution, knob, value)
