@@ -1937,6 +1937,8 @@ def draw_length(rng, mean, cap):
     """A length from an exponential distribution with this mean, in 1..cap.
     NOTE: the paper gives each dataset's means (its Fig. 11 shows long-tailed histograms);
     the exponential is the least-assuming distribution with a given mean, and long-tailed."""
+    if not mean > 0:
+        raise ValueError(f"a mean length must be > 0, got {mean!r}")
     return min(cap, max(1, round(rng.expovariate(1 / mean))))
 
 

@@ -1107,6 +1107,10 @@ class TestSweep:
         with pytest.raises(ValueError, match="2 lengths for n=3"):
             parallel_sampling(8, 3, [1, 4], block_size=4)
 
+    def test_a_dataset_with_a_mean_length_of_zero_is_named(self):
+        with pytest.raises(ValueError, match="a mean length must be > 0, got 0"):
+            solution.sharing_trace(("mine", 0, 50), "parallel", 2, seed=1)  # ZeroDivisionError
+
     def test_a_picture_step_or_kind_that_names_nothing_is_refused(self):
         for step, exception in ((8, ValueError), (-1, ValueError), ("6", TypeError)):
             with pytest.raises(exception, match="picture_step"):
