@@ -919,10 +919,12 @@ def demo_cow(block_size=BLOCK_SIZE):
 # It attaches to the pool through the hooks of Part 1: share_cached_prefix (the lookup),
 # block_full (caching), share_tail (a block shared partly leaves the cache), _give_back
 # and audit_kept (freed cached blocks wait aside), and it overrides allocate (eviction).
-# NOTE: one hook would not do: the lookup must come before any block is allocated, so that
-# a refused prompt changes nothing, and caching must follow every block that fills, in a
-# prefill (extend) or a decode step (append). vLLM's KVCacheManager calls its BlockPool at
-# the same two points: get_computed_blocks, then cache_full_blocks from allocate_slots.
+# NOTE: one hook would not do. The lookup must come before any block is allocated: a
+# prompt that fits only thanks to its hits must be admitted, and allocating first would
+# evict the very blocks it was about to hit. Caching must follow every block that fills, in
+# a prefill (extend) or a decode step (append). vLLM calls its pool at the same two points:
+# v1's get_computed_blocks, then cache_full_blocks; v0's allocate_immutable_block (look up,
+# else allocate), then promote_to_immutable_block for a block that filled later.
 
 NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
