@@ -2902,7 +2902,7 @@ def main(argv=None):
         parser.error("--requests applies to trace PATH only (no other section replays a file)")
     unknown = [name for name in names if name not in every and name != "trace"]
     if len(unknown) > 0:
-        parser.error(f"unknown section {', '.join(unknown)}; choose from "
+        parser.error(f"unknown section {', '.join(map(repr, unknown))}; choose from "
                      f"{', '.join([*every, 'trace PATH'])}")
     problems = knob_problems_all(args.block_size)
     if len(problems) > 0:

@@ -1350,7 +1350,8 @@ class TestCommandLine:
         (["--block-size", "x"], "--block-size: must be an int in 1..256, got 'x'"),
         (["--block-size", "257"], "got 257"),
         (["--seed", "-1"], "--seed: must be an int >= 0, got -1"),
-        (["nonsense"], "unknown section nonsense"),
+        (["nonsense"], "unknown section 'nonsense'"),
+        ([""], "unknown section ''; choose from"),
         (["memory", "--requests", "3"], "--requests applies to trace PATH only"),
         (["trace", "a.jsonl", "trace", "b.jsonl"], "trace PATH can be given once per run")])
     def test_bad_options_exit_2_with_one_line(self, capsys, argv, message):
