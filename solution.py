@@ -79,6 +79,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import platform
 import random
 import statistics
 import sys
@@ -2435,7 +2436,8 @@ def bench_against_the_limit(num_blocks, repeats, block_size):
         bench_append(num_blocks, num_tokens, BlockAllocator, block_size),
         bench_append(num_blocks, num_tokens, PrefixCachingAllocator, block_size),
         bench_bare_append(num_blocks, num_tokens, block_size)], repeats)
-    print("2. append vs a bare inline loop (write the slot, pop a block at each boundary):")
+    print(f"2. append vs a bare inline loop (write the slot, pop a block at each boundary), "
+          f"{platform.python_implementation()} {platform.python_version()}:")
     print(f"   Sequence.append {ours:.0f} ns/token, bare loop {bare:.0f} ns/token: "
           f"{ours / bare:.1f}x (target <= {APPEND_TARGET}x)")
     print(f"   on a prefix-caching pool {caching:.0f} ns/token: {caching / ours:.1f}x plain "

@@ -8,6 +8,7 @@ import ast
 import inspect
 import os
 import pathlib
+import platform
 import random
 import re
 import subprocess
@@ -1158,6 +1159,9 @@ class TestBench:
         assert any("x plain append (target <= 2x" in line for line in lines)
         assert any("largest/smallest <= 1.3x" in line for line in lines)
         assert any(f"at a pool {full:.0%} full" in line for line in lines)
+        assert any(line.endswith(f"boundary), {platform.python_implementation()} "
+                                 f"{platform.python_version()}:") for line in lines)
+        assert max(len(line) for line in lines) <= 100
 
     def test_the_scanning_allocator_finds_the_first_free_block(self):
         pool = ScanningAllocator(5, num_used=3)
