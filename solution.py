@@ -406,7 +406,7 @@ def _expect(condition, message):
 
 
 def plural(n, noun):
-    """n and its noun, for messages: plural(1, "block") == "1 block", plural(2, ...) "2 blocks"."""
+    """A count and its noun: plural(1, "block") == "1 block", plural(2, "block") == "2 blocks"."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
@@ -1353,7 +1353,7 @@ def expected_tokens(request):
     """What request holds when done, with unlimited memory."""
     start = len(request.prompt)
     return list(request.prompt) + [next_token(request.req_id, p)
-                             for p in range(start, start + request.max_tokens)]
+                                   for p in range(start, start + request.max_tokens)]
 
 
 def swap_out(seq, host):
@@ -2773,7 +2773,6 @@ def print_trace_chart(sizes, hits, total, ceiling, height=10):
 def smallest_reaching(sizes, hits, policy, target):
     reached = [size for size in sizes if hits[policy, size] >= target]
     return f"{min(reached):,} blocks" if len(reached) > 0 else "none of these sizes"
-
 
 
 def print_trace_answers(sizes, hits, total, ceiling, three_m, name):
