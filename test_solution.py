@@ -1260,7 +1260,8 @@ class TestTrace:
 
     def test_a_file_that_is_not_text_is_named(self, tmp_path, capsys):
         path = tmp_path / "t.bin"
-        path.write_bytes(b'{"timestamp": 0}\n\xd0\x00\xff\n')
+        path.write_bytes(b'{"timestamp": 0, "input_length": 512, "output_length": 1, '
+                         b'"hash_ids": [0]}\n\xd0\x00\xff\n')
         with pytest.raises(ValueError, match="t.bin: not UTF-8 text"):
             load_trace(str(path))
         with pytest.raises(SystemExit) as stop:
