@@ -1002,6 +1002,8 @@ class KeyedPolicy(LRU):
             heapq.heapify(self.heap)
 
     def pop(self):
+        # Ends: each evictable block has an entry with its key (a key changes only while the
+        # block is in use), and an empty heap raises IndexError rather than loop.
         while True:
             key, block = heapq.heappop(self.heap)
             if block in self.order and self.key(block) == key:  # else a stale entry
