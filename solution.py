@@ -1119,6 +1119,7 @@ class PrefixCachingAllocator(BlockAllocator):
         # way: a later prompt would read the new tokens as this hash's KV. The block keeps
         # its hash for the blocks after it until it is rewritten or freed. (vLLM v1 never
         # shares a partly covered block.)
+        check_block(self, block)  # in use: checked before the cache changes
         if self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block:
             del self.cached_block_hash_to_block[self.block_hash[block]]
         return self.share(block)
@@ -1368,6 +1369,10 @@ def swap_out(seq, host):
 
 def swap_in(seq_id, tokens, host_blocks, host, gpu):
     """Copy host blocks back into new GPU blocks and rebuild the sequence over them."""
+    if cdiv(len(tokens), gpu.block_size) != len([check_block(host, b) for b in host_blocks]):
+        raise ValueError(f"{plural(len(tokens), 'token')} need "
+                         f"{plural(cdiv(len(tokens), gpu.block_size), 'block')}, not the "
+                         f"{len(host_blocks)} host blocks given")
     gpu_blocks = gpu.allocate_many(len(host_blocks))
     for host_block, gpu_block in zip(host_blocks, gpu_blocks):
         gpu.kv_cache.write(gpu.kv_cache.block_slots(gpu_block), host.read(host_block))

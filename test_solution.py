@@ -618,6 +618,12 @@ class TestDemos:
 class TestPrefixCache:
     """Part 6: automatic prefix caching."""
 
+    def test_share_tail_of_a_free_block_is_refused_before_the_cache_changes(self):
+        pool = PrefixCachingAllocator(8, 2)
+        Sequence("a", pool, [1, 2, 3, 4]).free()  # blocks 0 and 1: cached, evictable
+        refused(lambda: pool.share_tail(0), ValueError, pool, [], match="block 0 is free")
+        check_invariants(pool, [])  # was: the cache had dropped block 0, still evictable
+
     @pytest.mark.parametrize("corrupt, message", [
         (lambda pool: pool.block_hash.update({0: b"other"}), "maps disagree"),
         (lambda pool: pool.block_hash.update({5: b"lost"}), "neither in use nor evictable"),
@@ -833,6 +839,16 @@ class TestPreemption:
         assert back.read() == list(range(10)) and host.num_used == 0
         back.append(10)
         assert back.read() == list(range(11))
+
+    def test_swap_in_refuses_host_blocks_that_do_not_match_before_taking_gpu_blocks(self):
+        gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
+        seq = Sequence("a", gpu, range(10))
+        host_blocks = swap_out(seq, host)                  # 3 blocks
+        for tokens, blocks, message in ((list(range(10)), host_blocks + [5], "block 5 is free"),
+                                        (list(range(4)), host_blocks, "4 tokens need 1 block, not the 3")):
+            refused(lambda: swap_in("b", tokens, blocks, host, gpu), ValueError, gpu, [seq],
+                    match=message)
+            assert host.num_used == 3  # was: GPU blocks taken, host blocks freed, then raised
 
     def test_scheduler_rejects_bad_policies_and_requests_that_never_fit(self):
         with pytest.raises(ValueError, match="policy"):
