@@ -248,17 +248,16 @@ class BlockTable(list):
     def slot(self, i):
         """(physical block, offset) of token i."""
         if type(i) is not int or not 0 <= i < len(self) * self.block_size:
-            raise IndexError(f"token {i!r} not in the table's {len(self) * self.block_size} slots")
+            raise IndexError(f"token {i!r} not in the {len(self) * self.block_size}-slot table")
         return self[i // self.block_size], i % self.block_size
 
     def slot_mapping(self, start, end):
         """The KV slot of each token start..end-1 (vLLM's slot_mapping). Example:
         block_size 4, table [3, 0, 5]: tokens 6..8 are in blocks 0 (slots 0..3) and 5
         (slots 20..23), so slot_mapping(6, 9) == [2, 3, 20]."""
-        if not 0 <= start <= end <= len(self) * self.block_size:
-            raise IndexError(f"tokens {start}..{end - 1} not in the table's "
-                             f"{len(self) * self.block_size} slots")
         size, first = self.block_size, start // self.block_size
+        if not 0 <= start <= end <= len(self) * size:
+            raise IndexError(f"tokens {start}..{end - 1} not in the {len(self) * size}-slot table")
         slots = [slot for block in self[first:cdiv(end, size)]
                  for slot in range(block * size, (block + 1) * size)]
         return slots[start - first * size:end - first * size]
@@ -289,9 +288,10 @@ class Sequence:
         self.tokens = []  # logical tokens, in order
         self.block_table = BlockTable(self.block_size)
         self.is_freed = False
-        self.block_table.extend(allocator.share_cached_prefix(token_ids))  # Part 6's hits
-        self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
-        self.extend(token_ids[len(self.tokens):])
+        if len(token_ids) > 0:
+            self.block_table.extend(allocator.share_cached_prefix(token_ids))  # Part 6's hits
+            self.tokens.extend(token_ids[:len(self.block_table) * self.block_size])
+            self.extend(token_ids[len(self.tokens):])
 
     def __len__(self):
         return len(self.tokens)

@@ -169,7 +169,7 @@ class TestBlockPool:
         pool = BlockAllocator(4, 4)
         blocks = pool.allocate_many(2)
         table = BlockTable(4, blocks[:1])
-        with pytest.raises(IndexError, match="not in the table"):
+        with pytest.raises(IndexError, match="tokens 2..4 not in the 4-slot table"):
             table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
         refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
                 [], match="3 tokens for 2 slots")
@@ -198,7 +198,7 @@ class TestSequences:
         assert BlockTable(4, [3, 0, 5]).slot_mapping(6, 9) == [2, 3, 20]  # the docstring's
         assert table.slot_mapping(15, 18) == [7 * 16 + 15, 2 * 16, 2 * 16 + 1]
         for bad in (-1, 32, "3"):
-            with pytest.raises(IndexError, match="not in the table"):
+            with pytest.raises(IndexError, match="not in the 32-slot table"):
                 table.slot(bad)
 
     def test_sequence_allocates_only_what_it_needs(self):
