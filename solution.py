@@ -1369,10 +1369,12 @@ def swap_out(seq, host):
 
 def swap_in(seq_id, tokens, host_blocks, host, gpu):
     """Copy host blocks back into new GPU blocks and rebuild the sequence over them."""
-    if cdiv(len(tokens), gpu.block_size) != len([check_block(host, b) for b in host_blocks]):
-        raise ValueError(f"{plural(len(tokens), 'token')} need "
-                         f"{plural(cdiv(len(tokens), gpu.block_size), 'block')}, not the "
-                         f"{len(host_blocks)} host blocks given")
+    for host_block in host_blocks:
+        check_block(host, host_block)  # in use on the host: checked before anything changes
+    need = cdiv(len(tokens), gpu.block_size)
+    if need != len(host_blocks):
+        raise ValueError(f"{plural(len(tokens), 'token')} need {plural(need, 'block')}, not "
+                         f"the {len(host_blocks)} host blocks given")
     gpu_blocks = gpu.allocate_many(len(host_blocks))
     for host_block, gpu_block in zip(host_blocks, gpu_blocks):
         gpu.kv_cache.write(gpu.kv_cache.block_slots(gpu_block), host.read(host_block))
