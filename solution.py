@@ -1220,7 +1220,7 @@ def cache_multi_turn(block_size, seed):
     check_invariants(pool, [turn2])
 
 
-def chat_stream(num_conversations=12, num_turns=CHAT_TURNS, seed=4):
+def chat_stream(num_conversations, num_turns, seed):
     """Chat requests, round robin over conversations: (prompt, answer) pairs where each
     prompt = a shared CHAT_SYSTEM_LEN-token system prompt + the conversation so far +
     CHAT_QUESTION_LEN new tokens, and each answer CHAT_ANSWER_LEN tokens."""
@@ -1245,10 +1245,10 @@ def serve_stream(pool, stream):
         seq.free()
 
 
-def cache_under_pressure(block_size, seed, conversations=12, turns=CHAT_TURNS):
-    stream = chat_stream(conversations, turns, seed)
+def cache_under_pressure(block_size, seed, conversations=12):
+    stream = chat_stream(conversations, CHAT_TURNS, seed)
     print(f"3. under pressure: {len(stream)} chat requests ({conversations} conversations x "
-          f"{turns} turns, round robin), one at a time")
+          f"{CHAT_TURNS} turns, round robin), one at a time")
     print("   pool blocks   hit rate    hits   evictions   cached at end")
     rows = []
     for tokens in CACHE_POOLS:
@@ -1630,9 +1630,11 @@ def preemption_workload(seed=5, num_requests=16):
                     rng.randint(*EVICT_OUTPUT_LEN), 2 * i) for i in range(num_requests)]
 
 
-def run_policy(policy, block_size, requests, host_tokens=HOST_KV_TOKENS, check=False):
-    """Serve requests under policy; verify every result and that both pools end whole."""
+def run_policy(policy, block_size, requests, host_tokens=None, check=False):
+    """Serve requests under policy, with a host pool of host_tokens (None: HOST_KV_TOKENS);
+    verify every result and that both pools end whole."""
     check_int(block_size, "block_size")
+    host_tokens = HOST_KV_TOKENS if host_tokens is None else host_tokens
     gpu = BlockAllocator(GPU_KV_TOKENS // block_size, block_size)
     host = BlockAllocator(host_tokens // block_size, block_size)
     scheduler = Scheduler(gpu, host, policy, check)
@@ -1688,11 +1690,12 @@ def demo_evict(block_size=BLOCK_SIZE, seed=None):
     compare_with_paper(runs)
 
 
-def evict_runs(seeds, block_sizes=EVICT_SIZES):
+def evict_runs(seeds, block_sizes=None):
     """seed -> [(block size, preemptions, tokens restored, blocks the victims held)], from
-    one recompute run per seed and size. A swap run (host pool as large as the GPU's, so it
-    never falls back) preempts the same victims and moves exactly those blocks, out and
-    back: a test checks it."""
+    one recompute run per seed and size (None: EVICT_SIZES). A swap run (host pool as large
+    as the GPU's, so it never falls back) preempts the same victims and moves exactly those
+    blocks, out and back: a test checks it."""
+    block_sizes = EVICT_SIZES if block_sizes is None else block_sizes
     return {seed: [(size, stats.preemptions, stats.recomputed_tokens, stats.preempted_blocks)
                    for size in block_sizes
                    for stats in [run_policy("recompute", size, preemption_workload(seed))]]
@@ -2142,10 +2145,11 @@ def prefix_reuse_lost(block_size, seed=10):
     return 1 - (pool.hits - hits) * block_size / SWEEP_SYSTEM_LEN
 
 
-def sweet_spot(rows, max_fragmentation=MAX_FRAGMENTATION):
+def sweet_spot(rows, max_fragmentation=None):
     """Tables, copies and per-block work all shrink as blocks grow, so grow them until the
     waste bites: the last size, going up, before fragmentation reaches max_fragmentation
-    (None if the smallest already does)."""
+    (None: MAX_FRAGMENTATION; the result is None if the smallest already does)."""
+    max_fragmentation = MAX_FRAGMENTATION if max_fragmentation is None else max_fragmentation
     best = None
     for row in sorted(rows, key=lambda row: row.block_size):
         if row.fragmentation >= max_fragmentation:
@@ -2404,8 +2408,11 @@ def interleaved_ns_per_op(benches, repeats):
     return best
 
 
-def demo_bench(block_size=BLOCK_SIZE, seed=None, pools=BENCH_POOLS, repeats=BENCH_REPEATS):
+def demo_bench(block_size=BLOCK_SIZE, seed=None, pools=None, repeats=None):
+    """The bench section; pools and repeats default to BENCH_POOLS and BENCH_REPEATS."""
     check_section_args(block_size, seed)
+    pools = BENCH_POOLS if pools is None else pools
+    repeats = BENCH_REPEATS if repeats is None else repeats
     print(f"== bench: cost per operation at pools of {', '.join(f'{n:,}' for n in pools)} "
           f"blocks (best of {repeats}) ==")
     smallest = pools[0]
@@ -2666,8 +2673,9 @@ KNEE = 0.9  # the share of the ceiling where a hit-rate curve counts as flattene
 
 
 def trace_knob_problems():
-    problems = [] if type(TRACE_SIZES) is int and TRACE_SIZES >= 2 else [
-        "TRACE_SIZES must be an int >= 2 (the smallest and the largest pool)"]
+    problems = [] if type(TRACE_SIZES) is int and 2 <= TRACE_SIZES <= 8 else [
+        "TRACE_SIZES must be an int in 2..8 (the smallest and the largest pool; the chart "
+        "fits 9 pool sizes, 9 characters each, in 100 columns, the 3M-token pool among them)"]
     if not 0 < KNEE <= 1:
         problems.append(f"KNEE must be in (0, 1] (a share of the ceiling), got {KNEE}")
     return problems
@@ -2680,7 +2688,7 @@ def never_evicts(requests, block_size):
     return replay_trace(requests, max(1, room), "lru", block_size)
 
 
-def trace_sizes(smallest, largest, count=TRACE_SIZES, extra=()):
+def trace_sizes(smallest, largest, count, extra=()):
     """count pool sizes spaced evenly on a log scale, plus extra ones inside the range."""
     ratio = (largest / smallest) ** (1 / max(1, count - 1))
     sizes = {round(smallest * ratio ** k) for k in range(count)} | {largest}
@@ -2734,7 +2742,7 @@ def demo_trace(path, limit=None, block_size=BLOCK_SIZE):
     infinite = never_evicts(requests, block_size)
     roomy = infinite.next_unused
     three_m = cdiv(3_000_000, TRACE_ID_TOKENS)  # the paper's 3M-token local cache, in ids
-    sizes = trace_sizes(longest, roomy, extra=(three_m,))
+    sizes = trace_sizes(longest, roomy, TRACE_SIZES, extra=(three_m,))
     hits = replay_all(requests, sizes, block_size, {("lru", roomy): infinite.hits})
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
     print(f"== trace: {len(requests):,} requests of {name} through the prefix cache ==")

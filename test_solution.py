@@ -850,8 +850,9 @@ class TestPreemption:
         gpu, host = BlockAllocator(8, 4), BlockAllocator(8, 4)
         seq = Sequence("a", gpu, range(10))
         host_blocks = swap_out(seq, host)                  # 3 blocks
-        for tokens, blocks, message in ((list(range(10)), host_blocks + [5], "block 5 is free"),
-                                        (list(range(4)), host_blocks, "4 tokens need 1 block, not the 3")):
+        for tokens, blocks, message in (
+                (list(range(10)), host_blocks + [5], "block 5 is free"),
+                (list(range(4)), host_blocks, "4 tokens need 1 block, not the 3")):
             refused(lambda: swap_in("b", tokens, blocks, host, gpu), ValueError, gpu, [seq],
                     match=message)
             assert host.num_used == 3  # was: GPU blocks taken, host blocks freed, then raised
@@ -1305,6 +1306,23 @@ class TestTrace:
         assert trace_prompt(requests[0], 4) == [] and trace_prompt(requests[1], 4) == [16]
         assert replay_trace(requests, 4, block_size=4).hits == 0  # an empty prompt replays
 
+    @pytest.mark.parametrize("sizes", [2, 8])
+    def test_a_trace_replays_end_to_end_within_100_columns(self, tmp_path, capsys, monkeypatch,
+                                                          sizes):
+        # 20 conversations of 10 turns, round robin: turn t repeats the t earlier ids
+        monkeypatch.setattr(solution, "TRACE_SIZES", sizes)  # 9 made the chart 109 wide
+        path = tmp_path / "chat.jsonl"
+        path.write_text("".join(
+            f'{{"timestamp": {t * 20 + c}, "input_length": {512 * (t + 1)}, '
+            f'"output_length": 40, "hash_ids": {list(range(c * 100, c * 100 + t + 1))}}}\n'
+            for t in range(10) for c in range(20)))
+        main(["trace", str(path)])
+        out = capsys.readouterr().out
+        assert "== trace: 200 requests of chat.jsonl" in out and ": equal;" in out
+        assert max(len(line) for line in out.splitlines()) <= 100
+        chart_axis = next(line for line in out.splitlines() if line.startswith("   blocks "))
+        assert len(chart_axis.split()) - 1 >= sizes  # every pool size has its column
+
     def test_trace_without_a_path_or_file_says_where_to_get_one(self, capsys):
         for argv in (["trace"], ["trace", "/no/such/file.jsonl"]):
             with pytest.raises(SystemExit) as stop:
@@ -1397,6 +1415,34 @@ class TestCommandLine:
         err = run.stderr.read()
         assert run.wait() == 1 and err == b""
 
+    def test_the_host_pool_knob_changes_the_swap_run_it_labels(self, capsys, monkeypatch):
+        monkeypatch.setattr(solution, "HOST_KV_TOKENS", 1024)
+        main(["evict"])
+        out = capsys.readouterr().out
+        stats = run_policy("swap", BLOCK_SIZE, preemption_workload(5), host_tokens=1024)
+        swap_row = next(line for line in out.splitlines() if line.startswith("   swap "))
+        assert "a 1024-token host pool" in out  # the label and the run agree:
+        assert swap_row.split()[3:5] == [f"{stats.swapped_out_blocks}/{stats.swapped_in_blocks}",
+                                         str(stats.host_fallbacks)]
+
+    @pytest.mark.parametrize("knob, value, section, expected", [
+        ("CHAT_TURNS", 2, "cache", "24 chat requests (12 conversations x 2 turns"),
+        ("EVICT_SIZES", (4, 16), "evict", "copies  prefill/s  us/copy      4    16"),
+        ("MAX_FRAGMENTATION", 0.1, "sweep",
+         "sweet spot: 16 (grow the block until fragmentation would reach 10%)"),
+        ("BENCH_POOLS", (100, 200), "bench", "pools of 100, 200 blocks (best of 15)")])
+    def test_a_knob_changed_at_run_time_takes_effect(self, capsys, monkeypatch, knob, value,
+                                                      section, expected):
+        # these knobs were default arguments, bound at import: the check and the printed
+        # label saw the new value while the run kept the old one
+        monkeypatch.setattr(solution, knob, value)
+        if section == "bench":
+            monkeypatch.setattr(solution, "BENCH_REPEATS", 15)
+            monkeypatch.setattr(solution, "interleaved_ns_per_op",
+                                lambda benches, repeats: [1.0] * len(benches))  # no timing
+        main([section])
+        assert expected in capsys.readouterr().out
+
     @pytest.mark.parametrize("knob, value, message", [
         ("MAX_LEN", 512, "MAX_LEN must be >= ACTUAL_LEN"),
         ("ACTUAL_LEN", 0, "ACTUAL_LEN must be >= 1"),
@@ -1416,7 +1462,8 @@ class TestCommandLine:
         ("COMPARABLE", 0.5, "COMPARABLE must be >= 1"),
         ("EVICT_SIZES", (0, 16), "EVICT_SIZES ints in 1..256"),
         ("BLOCK_SIZE", 0, "BLOCK_SIZE must be an int in 1..256, got 0"),
-        ("TRACE_SIZES", 1, "TRACE_SIZES must be an int >= 2"),
+        ("TRACE_SIZES", 1, "TRACE_SIZES must be an int in 2..8"),
+        ("TRACE_SIZES", 9, "TRACE_SIZES must be an int in 2..8"),
         ("KNEE", 0, "KNEE must be in (0, 1]"), ("KNEE", 1.5, "KNEE must be in (0, 1]")])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, capsys, monkeypatch, knob,
                                                                     value, message):
