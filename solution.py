@@ -1017,10 +1017,11 @@ class FIFO(KeyedPolicy):
     def __init__(self):
         super().__init__()
         self.since = {}  # block -> when it was last cached
-        self.clock = itertools.count()
+        self.clock = 0   # blocks cached so far
 
     def cached(self, block):
-        self.since[block] = next(self.clock)
+        self.since[block] = self.clock
+        self.clock += 1
 
     def key(self, block):
         return self.since[block]

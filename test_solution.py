@@ -8,11 +8,13 @@ import ast
 import inspect
 import os
 import pathlib
+import pickle
 import platform
 import random
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -1204,6 +1206,15 @@ class TestTrace:
         hits = {policy: replay_trace(requests, 3, policy, block_size=2).hits
                 for policy in ("lru", "fifo", "optimal")}
         assert hits == {"lru": 2, "fifo": 1, "optimal": 2}
+
+    def test_a_fifo_pool_snapshots_without_deprecated_pickling(self):
+        # FIFO's clock was an itertools.count: pickling one warns from Python 3.12 and fails
+        # from 3.14, and every refused-call check snapshots the pool (this fails on 3.12+)
+        pool = PrefixCachingAllocator(4, 2, "fifo")
+        Sequence("a", pool, [1, 2]).free()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert pickle.loads(snapshot(pool, []))[0]["evictable"].clock == 1
 
     @pytest.mark.parametrize("policy", [FIFO, solution.OptimalPolicy])
     def test_a_heap_policy_stays_within_twice_the_evictable_blocks(self, policy):
