@@ -1308,11 +1308,19 @@ def cache_chained_hashes(block_size):
 # FLOPs per token on an A100 (312 TFLOP/s fp16) at 30%-60% utilization: 3,600-7,200/s.
 NUM_LAYERS = 40
 HIDDEN_SIZE = 5120
-KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * HIDDEN_SIZE * 2  # bytes: K and V, every layer, fp16
-PCIE_BYTES_PER_S = 25e9                                # bytes/s, host <-> device
-TRANSFER_LATENCY_S = (5e-6, 10e-6)                     # s, fixed cost of one copy
-PREFILL_TOKENS_PER_S = (3_600, 7_200)                  # tokens/s recomputed
-PER_LAYER_TRANSFERS = 2 * NUM_LAYERS  # copies per block when each layer's K and V move apart
+PCIE_BYTES_PER_S = 25e9                  # bytes/s, host <-> device
+TRANSFER_LATENCY_S = (5e-6, 10e-6)       # s, fixed cost of one copy
+PREFILL_TOKENS_PER_S = (3_600, 7_200)    # tokens/s recomputed
+
+
+def kv_bytes_per_token():
+    """K and V, every layer, fp16: 2 x NUM_LAYERS x HIDDEN_SIZE x 2 bytes."""
+    return 2 * NUM_LAYERS * HIDDEN_SIZE * 2
+
+
+def per_layer_transfers():
+    """Copies per block when each layer's K and V move apart: 2 x NUM_LAYERS."""
+    return 2 * NUM_LAYERS
 
 
 @dataclass
@@ -1344,7 +1352,7 @@ class PreemptionStats:
 
 def block_copy_seconds(block_size, copies_per_block, latency_s):
     """Moving one block between host and GPU: a fixed cost per copy, then the bytes."""
-    return copies_per_block * latency_s + block_size * KV_BYTES_PER_TOKEN / PCIE_BYTES_PER_S
+    return copies_per_block * latency_s + block_size * kv_bytes_per_token() / PCIE_BYTES_PER_S
 
 
 def next_token(req_id, position):
@@ -1671,8 +1679,9 @@ def demo_evict(block_size=BLOCK_SIZE, seed=None):
     print(f"== evict: preemption by recompute vs swap ({len(requests)} requests, "
           f"{GPU_KV_TOKENS}-token GPU pool) ==")
     print("cost model (OPT-13B, the paper's model in 7.3; each estimate is given at both ends):")
-    print(f"   {KV_BYTES_PER_TOKEN // 1024} KiB of KV per token, {PCIE_BYTES_PER_S / 1e9:g} GB/s, "
-          f"{latencies[0] * 1e6:g}-{latencies[1] * 1e6:g} us per copy, prefill "
+    print(f"   {kv_bytes_per_token() // 1024} KiB of KV per token, "
+          f"{PCIE_BYTES_PER_S / 1e9:g} GB/s, {latencies[0] * 1e6:g}-{latencies[1] * 1e6:g} us "
+          f"per copy, prefill "
           f"{rates[0]:,.0f}-{rates[1]:,.0f} tokens/s")
     print(f"1. block size {block_size}, a {HOST_KV_TOKENS}-token host pool; every request ends "
           f"with exactly its tokens")
@@ -1709,15 +1718,16 @@ def print_evict_sweep(rows):
     print(f"2. recovery time by block size, one seed, at the midpoints: {rate:,.0f} tokens/s, "
           f"{latency * 1e6:g} us/copy")
     print(f"   block  preemptions  tokens restored  recompute ms  swap ms  "
-          f"swap ms, {PER_LAYER_TRANSFERS} copies/block")
+          f"swap ms, {per_layer_transfers()} copies/block")
     times = [(size, recovery_ms(tokens, blocks, size, 1, rate, latency),
-              recovery_ms(tokens, blocks, size, PER_LAYER_TRANSFERS, rate, latency)[1])
+              recovery_ms(tokens, blocks, size, per_layer_transfers(), rate, latency)[1])
              for size, _, tokens, blocks in rows]
     for (size, preemptions, tokens, _), (_, (recompute, swap), layered) in zip(rows, times):
         print(f"   {size:>5}  {preemptions:>11}  {tokens:>15}  {recompute:>12.1f}  "
               f"{swap:>7.1f}  {layered:>23.1f}")
     longest = max(max(pair + (layered,)) for _, pair, layered in times)
-    print(f"   chart, ms (R recompute, S swap, L swap with {PER_LAYER_TRANSFERS} copies per block)")
+    print(f"   chart, ms (R recompute, S swap, L swap with {per_layer_transfers()} copies per "
+          f"block)")
     for size, (recompute, swap), layered in times:
         for mark, ms in zip("RSL", (recompute, swap, layered)):
             label = f"{size:>5} " if mark == "R" else " " * 6
@@ -1748,7 +1758,7 @@ def ratio_cell(ratio):
 def compare_with_paper(runs):
     """Each of the paper's three claims in 7.3, checked at every block size, over every
     seed, and at both ends of both estimates; the verdicts are computed."""
-    settings = [(copies, rate, latency) for copies in (PER_LAYER_TRANSFERS, 1)
+    settings = [(copies, rate, latency) for copies in (per_layer_transfers(), 1)
                 for rate in PREFILL_TOKENS_PER_S for latency in TRANSFER_LATENCY_S]
     by_setting = [evict_ratios(runs, *setting) for setting in settings]
     sizes = sorted({size for ratios in by_setting for size in ratios})

@@ -1439,6 +1439,8 @@ class TestCommandLine:
     @pytest.mark.parametrize("knob, value, section, expected", [
         ("CHAT_TURNS", 2, "cache", "24 chat requests (12 conversations x 2 turns"),
         ("EVICT_SIZES", (4, 16), "evict", "copies  prefill/s  us/copy      4    16"),
+        ("NUM_LAYERS", 20, "evict", "400 KiB of KV per token"),
+        ("NUM_LAYERS", 20, "evict", "swap ms, 40 copies/block"),
         ("MAX_FRAGMENTATION", 0.1, "sweep",
          "sweet spot: 16 (grow the block until fragmentation would reach 10%)"),
         ("BENCH_POOLS", (100, 200), "bench", "pools of 100, 200 blocks (best of 15)")])
