@@ -2681,12 +2681,14 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, uses
 TRACE_POLICIES = ("lru", "fifo", "optimal")
 TRACE_SIZES = 6  # pool sizes on a log scale from the longest request to "never evicts"
 KNEE = 0.9  # the share of the ceiling where a hit-rate curve counts as flattened
+CHART_CELL = 9  # characters per pool size in the trace chart, after an 11-character margin
 
 
 def trace_knob_problems():
-    problems = [] if type(TRACE_SIZES) is int and 2 <= TRACE_SIZES <= 8 else [
-        "TRACE_SIZES must be an int in 2..8 (the smallest and the largest pool; the chart "
-        "fits 9 pool sizes, 9 characters each, in 100 columns, the 3M-token pool among them)"]
+    most = (100 - 11) // CHART_CELL - 1  # sizes that fit 100 columns, the 3M-token pool aside
+    problems = [] if type(TRACE_SIZES) is int and 2 <= TRACE_SIZES <= most else [
+        f"TRACE_SIZES must be an int in 2..{most} (the smallest and the largest pool; the "
+        f"chart fits {most + 1} pool sizes in 100 columns, the 3M-token pool among them)"]
     if not 0 < KNEE <= 1:
         problems.append(f"KNEE must be in (0, 1] (a share of the ceiling), got {KNEE}")
     return problems
@@ -2792,10 +2794,10 @@ def print_trace_chart(sizes, hits, total, ceiling, height=10):
             cells[row, column] = mark if (row, column) not in cells else "*"
     for row in range(height, -1, -1):
         label = f"{row / height * ceiling / total:6.1%}" if row % 5 == 0 else " " * 6
-        print((f"   {label} |" + "".join(f"{cells.get((row, c), ' '):^9}"
+        print((f"   {label} |" + "".join(f"{cells.get((row, c), ' '):^{CHART_CELL}}"
                                         for c in range(len(sizes)))).rstrip())
-    print("          +" + "-" * 9 * len(sizes))
-    print(("   blocks  " + "".join(f"{size:^9,}" for size in sizes)).rstrip())
+    print("          +" + "-" * CHART_CELL * len(sizes))
+    print(("   blocks  " + "".join(f"{size:^{CHART_CELL},}" for size in sizes)).rstrip())
 
 
 def smallest_reaching(sizes, hits, policy, target):
