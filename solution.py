@@ -196,7 +196,7 @@ class BlockAllocator:
         self.ref_cnt[check_block(self, block)] -= 1
         if self.ref_cnt[block] == 0:
             del self.ref_cnt[block]
-            self._give_back(block)
+            self.free_block_ids.append(block)
 
     def refcount(self, block):
         return self.ref_cnt.get(check_block(self, block, in_use=False), 0)
@@ -206,7 +206,7 @@ class BlockAllocator:
 
     # Hooks for a prefix cache (Part 6): share_cached_prefix shares a prompt's cached blocks
     # (vLLM's get_computed_blocks), block_full caches a full one (cache_full_blocks),
-    # share_tail un-caches one shared partly, _give_back and audit_kept keep freed ones aside.
+    # share_tail un-caches one shared partly, audit_kept lists freed ones it keeps aside.
     def share_cached_prefix(self, token_ids):
         return []  # a plain pool remembers nothing
 
@@ -218,9 +218,6 @@ class BlockAllocator:
 
     def audit_kept(self):
         return []
-
-    def _give_back(self, block):
-        self.free_block_ids.append(block)
 
 
 def check_block(pool, block, in_use=True):
@@ -641,7 +638,7 @@ class EagerFreePool(BlockAllocator):
     def free(self, block):
         check_block(self, block)
         del self.ref_cnt[block]
-        self._give_back(block)
+        self.free_block_ids.append(block)
 
 
 class NoCopySequence(Sequence):
@@ -918,8 +915,9 @@ def demo_cow(block_size=BLOCK_SIZE):
 # is needed, and then the least recently used goes first. This is vLLM's automatic prefix
 # caching (SGLang's RadixAttention keeps the same prefixes as paths in a radix tree).
 # It attaches to the pool through the hooks of Part 1: share_cached_prefix (the lookup),
-# block_full (caching), share_tail (a block shared partly leaves the cache), _give_back
-# and audit_kept (freed cached blocks wait aside), and it overrides allocate (eviction).
+# block_full (caching), share_tail (a block shared partly leaves the cache) and audit_kept
+# (the audit counts the evictable blocks as free), and it overrides free (a cached block
+# waits, evictable) and allocate (eviction).
 # NOTE: one hook would not do. The lookup must come before any block is allocated: a
 # prompt that fits only thanks to its hits must be admitted, and allocating first would
 # evict the very blocks it was about to hit. Caching must follow every block that fills, in
@@ -1137,12 +1135,17 @@ class PrefixCachingAllocator(BlockAllocator):
                 "cached")
         return evictable
 
-    def _give_back(self, block):
-        if self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block:
-            self.evictable.add(block)  # cached: kept, evictable
+    def free(self, block):
+        """Drop one reference. A cached block losing its last one is kept, evictable, off
+        the free list (vLLM keeps it in its free queue, hash and all); another loses its hash."""
+        if self.refcount(block) == 1 and self.cached_block_hash_to_block.get(
+                self.block_hash.get(block)) == block:
+            del self.ref_cnt[block]
+            self.evictable.add(block)
         else:
-            self.block_hash.pop(block, None)
-            super()._give_back(block)
+            super().free(block)  # raises for a free block, before anything changes
+            if block not in self.ref_cnt:
+                self.block_hash.pop(block, None)
 
     def allocate(self):
         """A free block: blocks no cache entry will miss go first; when none is left, the

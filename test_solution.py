@@ -626,6 +626,15 @@ class TestPrefixCache:
         refused(lambda: pool.share_tail(0), ValueError, pool, [], match="block 0 is free")
         check_invariants(pool, [])  # was: the cache had dropped block 0, still evictable
 
+    @pytest.mark.parametrize("method", ["share", "free"])
+    @pytest.mark.parametrize("block, match", [
+        (0, "block 0 is free"), (5, "block 5 is free"), (8, "unknown block"), ("0", "unknown")])
+    def test_share_and_free_refuse_an_evictable_or_unknown_block(self, method, block, match):
+        pool = PrefixCachingAllocator(8, 2)
+        Sequence("a", pool, [1, 2, 3, 4]).free()  # blocks 0 and 1: cached, evictable
+        refused(lambda: getattr(pool, method)(block), ValueError, pool, [], match=match)
+        assert pool.num_cached == 2
+
     @pytest.mark.parametrize("corrupt, message", [
         (lambda pool: pool.block_hash.update({0: b"other"}), "maps disagree"),
         (lambda pool: pool.block_hash.update({5: b"lost"}), "neither in use nor evictable"),
