@@ -1068,6 +1068,10 @@ class PrefixCachingAllocator(BlockAllocator):
         """Evictable cached blocks right now."""
         return len(self.evictable)
 
+    def is_cached(self, block):
+        """block is the one the cache offers for its block hash."""
+        return self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block
+
     def share_cached_prefix(self, token_ids):
         """The longest run of the prompt's leading full blocks whose hashes are cached, each
         shared (ref-count + 1), after checking there is room for the rest of the prompt too
@@ -1119,7 +1123,7 @@ class PrefixCachingAllocator(BlockAllocator):
         # its hash for the blocks after it until it is rewritten or freed. (vLLM v1 never
         # shares a partly covered block.)
         check_block(self, block)  # in use: checked before the cache changes
-        if self.cached_block_hash_to_block.get(self.block_hash.get(block)) == block:
+        if self.is_cached(block):
             del self.cached_block_hash_to_block[self.block_hash[block]]
         return self.share(block)
 
@@ -1136,10 +1140,9 @@ class PrefixCachingAllocator(BlockAllocator):
         return evictable
 
     def free(self, block):
-        """Drop one reference. A cached block losing its last one is kept, evictable, off
-        the free list (vLLM keeps it in its free queue, hash and all); another loses its hash."""
-        if self.refcount(block) == 1 and self.cached_block_hash_to_block.get(
-                self.block_hash.get(block)) == block:
+        """Drop one reference. A cached block that loses its last one stays cached, now
+        evictable (vLLM: it joins the free queue, hash and all); any other loses its hash."""
+        if self.refcount(block) == 1 and self.is_cached(block):
             del self.ref_cnt[block]
             self.evictable.add(block)
         else:
