@@ -1507,6 +1507,9 @@ class Scheduler:
                 value = getattr(request, field)
                 if type(value) is not int or value < 0:
                     raise ValueError(f"{name}: {field} must be an int >= 0, got {value!r}")
+            if not isinstance(request.prompt, (list, tuple, range)):  # read more than once
+                raise TypeError(f"{name}: prompt must be a list of token ids, got "
+                                f"{type(request.prompt).__name__}")
             try:
                 check_tokens(request.prompt)
             except (TypeError, ValueError) as error:
