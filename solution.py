@@ -128,7 +128,8 @@ class KVCache:
     def write(self, slot_mapping, token_ids):
         """Store token_ids[i] in slot slot_mapping[i] (vLLM's reshape_and_cache kernel)."""
         room = range(len(self.slots))  # the slots of every block handed out so far
-        if len(slot_mapping) != len(token_ids) or not all(slot in room for slot in slot_mapping):
+        if len(slot_mapping) != len(token_ids) or not all(
+                type(slot) is int and slot in room for slot in slot_mapping):  # 1.0 in room
             raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots of {room}")
         for slot, token in zip(slot_mapping, token_ids):
             self.slots[slot] = token
@@ -252,8 +253,9 @@ class BlockTable(list):
         """The KV slot of each token start..end-1 (vLLM's slot_mapping). Example:
         block_size 4, table [3, 0, 5]: tokens 6..8 are in blocks 0 (slots 0..3) and 5
         (slots 20..23), so slot_mapping(6, 9) == [2, 3, 20]."""
-        size, first = self.block_size, start // self.block_size
-        if not 0 <= start <= end <= len(self) * size:
+        size = self.block_size
+        first = check_int(start, "start", 0) // size
+        if not start <= check_int(end, "end", 0) <= len(self) * size:
             raise IndexError(f"tokens {start}..{end - 1} not in the {len(self) * size}-slot table")
         slots = [slot for block in self[first:cdiv(end, size)]
                  for slot in range(block * size, (block + 1) * size)]

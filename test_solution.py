@@ -175,7 +175,7 @@ class TestBlockPool:
             table.slot_mapping(2, 5)                       # 3 tokens from offset 2: no room
         refused(lambda: pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2, 3]), ValueError, pool,
                 [], match="3 tokens for 2 slots")
-        for slots in ([2, 8], [-1, 2], ["2", 3]):                # block 2 was never handed out
+        for slots in ([2, 8], [-1, 2], ["2", 3], [0, 1.0]):      # block 2 was never handed out
             refused(lambda: pool.kv_cache.write(slots, [1, 2]), ValueError, pool, [],
                     match=re.escape("2 tokens for 2 slots of range(0, 8)"))
         pool.kv_cache.write(table.slot_mapping(2, 4), [1, 2])
@@ -202,6 +202,17 @@ class TestSequences:
         for bad in (-1, 32, "3"):
             with pytest.raises(IndexError, match="not in the 32-slot table"):
                 table.slot(bad)
+
+    @pytest.mark.parametrize("start, end, error, match", [
+        (1.5, 3, TypeError, "start must be an int >= 0, got 1.5"),
+        (True, 3, TypeError, "start must be an int >= 0, got True"),
+        (-1, 2, ValueError, "start must be an int >= 0, got -1"),
+        (0, "4", TypeError, "end must be an int >= 0, got '4'"),
+        (2, 5, IndexError, "tokens 2..4 not in the 4-slot table")])
+    def test_slot_mapping_names_a_position_that_is_not_an_int_in_the_table(self, start, end,
+                                                                          error, match):
+        with pytest.raises(error, match=match):
+            BlockTable(4, [3]).slot_mapping(start, end)
 
     def test_sequence_allocates_only_what_it_needs(self):
         pool = BlockAllocator(10)
