@@ -430,6 +430,8 @@ def check_invariants(allocator, sequences):
     audit(allocator)
     references = Counter()
     for seq in sequences:
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"sequences must hold Sequence objects, got {seq!r}")
         _expect(seq.allocator is allocator, f"pool: sequence {seq.seq_id!r} belongs to "
                 "another pool")
         if seq.is_freed:

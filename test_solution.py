@@ -541,9 +541,12 @@ class TestChecks:
     def test_the_lab_checks_pass(self, check, block_size):
         assert isinstance(check(block_size, 0), str)  # the check raises AssertionError if broken
 
-    def test_check_invariants_names_a_pool_that_is_not_one(self):
+    def test_check_invariants_names_a_pool_or_sequence_that_is_not_one(self):
         with pytest.raises(TypeError, match="allocator must be a BlockAllocator, got str"):
             check_invariants("pool", [])  # was AttributeError deep in audit
+        pool = BlockAllocator(4)
+        with pytest.raises(TypeError, match="sequences must hold Sequence objects, got 'a'"):
+            check_invariants(pool, [Sequence("a", pool, [1]), "a"])  # was AttributeError
 
     def test_check_invariants_refuses_a_sequence_of_another_pool(self):
         pool_a, pool_b = BlockAllocator(4, 4), BlockAllocator(4, 4)
