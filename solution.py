@@ -1132,6 +1132,7 @@ class PrefixCachingAllocator(BlockAllocator):
         return self.share(block)
 
     def audit_kept(self):
+        """The cache's own checks; returns the evictable blocks, which audit counts as free."""
         cached = self.cached_block_hash_to_block
         _expect(all(self.block_hash.get(block) == block_hash for block_hash, block in
                     cached.items()), "cache: the hash -> block and block -> hash maps disagree")
