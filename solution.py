@@ -129,7 +129,7 @@ class KVCache:
         """Store token_ids[i] in slot slot_mapping[i] (vLLM's reshape_and_cache kernel)."""
         room = range(len(self.slots))  # the slots of every block handed out so far
         if len(slot_mapping) != len(token_ids) or not all(
-                type(slot) is int and slot in room for slot in slot_mapping):  # 1.0 in room
+                type(slot) is int and slot in room for slot in slot_mapping):  # 1.0 in room too
             raise ValueError(f"{len(token_ids)} tokens for {len(slot_mapping)} slots of {room}")
         for slot, token in zip(slot_mapping, token_ids):
             self.slots[slot] = token
