@@ -478,6 +478,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     then drops it. Returns a Counter of what happened, so a test can tell the run
     exercised every operation.
     """
+    if not isinstance(rng, random.Random):
+        raise TypeError(f"rng must be a random.Random (seeded), got {type(rng).__name__}")
     check_int(num_ops, "num_ops", 0)
     check_int(max_live, "max_live")
     check_int(vocab, "vocab")

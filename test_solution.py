@@ -536,6 +536,10 @@ class TestChecks:
         with pytest.raises(exception, match=f"{knob} must be an int"):
             fuzz(BlockAllocator(12, 3), random.Random(0), **{"num_ops": 10, knob: value})
 
+    def test_fuzz_names_an_rng_that_is_not_one(self):
+        with pytest.raises(TypeError, match="rng must be a random.Random"):
+            fuzz(BlockAllocator(12, 3), 0, 10)  # was AttributeError: 'int' has no 'choice'
+
     @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
     @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
     def test_the_lab_checks_pass(self, check, block_size):
