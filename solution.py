@@ -1515,8 +1515,8 @@ class Scheduler:
                 if type(value) is not int or value < 0:
                     raise ValueError(f"{name}: {field} must be an int >= 0, got {value!r}")
             if not isinstance(request.prompt, (list, tuple, range)):  # read more than once
-                raise TypeError(f"{name}: prompt must be a list of token ids, got "
-                                f"{type(request.prompt).__name__}")
+                raise TypeError(f"{name}: prompt must be a list, tuple or range of token ids, "
+                                f"got {type(request.prompt).__name__}")
             try:
                 check_tokens(request.prompt)
             except (TypeError, ValueError) as error:

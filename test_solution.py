@@ -974,8 +974,8 @@ class TestPreemption:
 
     @pytest.mark.parametrize("requests, message", [
         ([Request(0, [1], 1, 0), Request("b", [2], 1, 0)], "request 'b': req_id must be an int"),
-        ([Request(0, None, 1, 0)], "request 0: prompt must be a list of token ids, got NoneType"),
-        ([Request(0, (t for t in [1, 2]), 1, 0)], "request 0: prompt must be a list .* generator"),
+        ([Request(0, None, 1, 0)], "request 0: prompt must be a list, tuple or range .* NoneType"),
+        ([Request(0, (t for t in [1, 2]), 1, 0)], "request 0: prompt must be a list, .* generator"),
         ([Request(0, [1, "2"], 1, 0)], "request 0: token ids are ints")])
     def test_a_request_of_the_wrong_type_is_refused_before_anything_runs(self, requests,
                                                                           message):
