@@ -1719,10 +1719,12 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
     return run
 
 
-def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, picture_step=-1):
+def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, picture_step=-1,
+                check=False):
     """Beam search with pruning over seeded random scores (no model): each step every beam
     proposes width candidates, the best width survive, a parent chosen by several is
-    forked, a parent chosen by none is freed. Every beam reads back its own history."""
+    forked, a parent chosen by none is freed. Every beam reads back its own history (with
+    check, after every step)."""
     rng, run, ids = random.Random(seed), SharingRun(), itertools.count(1)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     beams = [(0.0, Sequence(0, pool, random_tokens(rng, prompt_len)))]  # (log-prob, beam)
@@ -1743,7 +1745,8 @@ def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, pi
         run.step(pool, [seq for _, seq in beams])
         if step == picture_step:
             run.picture = block_map(pool, [seq for _, seq in beams])
-    check_invariants(pool, [seq for _, seq in beams])
+        if check or step == output_len - 1:
+            check_invariants(pool, [seq for _, seq in beams])
     run.copies = pool.num_copies
     for _, seq in beams:
         seq.free()
