@@ -133,8 +133,7 @@ class KVCache:
         self.slots[start:start + len(token_ids)] = token_ids
 
     def copy(self, src, dst):
-        size = self.block_size
-        self.slots[dst * size:(dst + 1) * size] = self.slots[src * size:(src + 1) * size]
+        self.slots[dst * self.block_size:(dst + 1) * self.block_size] = self.read(src)
 
     def read(self, block):
         """A copy of block's slots (a block never handed out: all None)."""
@@ -177,8 +176,7 @@ class BlockAllocator:
 
     def allocate(self):
         """A free block, now with ref-count 1: the last one given back, else a new one."""
-        if len(self.ref_cnt) == self.num_blocks:
-            raise OutOfBlocksError(f"all {self.num_blocks} blocks are in use")
+        self.ensure_free(1)
         if len(self.free_block_ids) > 0:
             block = self.free_block_ids.pop()
         else:
@@ -190,7 +188,7 @@ class BlockAllocator:
     def allocate_many(self, n):
         """n blocks or none. New pool: allocate_many(3) -> [0, 1, 2]; then free(1), free(0),
         allocate_many(3) -> [0, 1, 3]."""
-        self.ensure_free(n)
+        self.ensure_free(check_int(n, "n", 0))
         return [self.allocate() for _ in range(n)]
 
     def share(self, block):
@@ -213,6 +211,7 @@ class BlockAllocator:
 
     def copy_block(self, block):
         """A new block holding a copy of block's slots: copy-on-write's copy (Part 3)."""
+        check_block(self, block, in_use=False)  # a prefix cache copies a free cached block
         copy = self.allocate()
         self.kv_cache.copy(block, copy)
         self.num_copies += 1
@@ -892,8 +891,8 @@ class RadixIndex:
         size = self.block_size
         if len(token_ids) < size and not self.token_level:
             return False
-        self.forget(block)  # refilled after a partial share: it leaves its old place
         node, i = (self.root, -1) if parent is None else self.locate(parent)
+        self.forget(block)  # refilled after a partial share: it leaves its old place
         if i + 1 < len(node.blocks):  # parent is inside a run: is the next block the same?
             if node.tokens[(i + 1) * size:(i + 2) * size] == token_ids:
                 return self.join(node, i + 1, block)
@@ -1102,6 +1101,8 @@ class PrefixCachingAllocator(BlockAllocator):
         if policy == "optimal":
             raise ValueError("policy 'optimal' needs the future: replay_trace builds it")
         self.policy = pick(POLICIES, policy, "policy", LRU)
+        if getattr(self.policy, "future", {}) is None:  # Part 11's Lookahead, without one
+            raise ValueError("a look-ahead policy needs its future: replay_trace builds it")
         self.index = pick(INDEXES, index, "index", tuple(INDEXES.values()), block_size)
         if self.index.block_size != block_size:
             raise ValueError(f"an index of block size {self.index.block_size}, not {block_size}")
@@ -1174,11 +1175,11 @@ class PrefixCachingAllocator(BlockAllocator):
     def free(self, block):
         """Drop one reference. A cached block that loses its last one stays cached, now
         evictable (vLLM: it joins the free queue, hash and all); any other is forgotten."""
-        if self.ref_cnt.get(block) == 1 and self.index.holds(block):
-            del self.ref_cnt[block]
+        if self.ref_cnt.get(check_block(self, block)) == 1 and self.index.holds(block):
             self.policy.freed(block, self.stats.prompts)
+            del self.ref_cnt[block]
         else:
-            super().free(block)  # raises for a free block, before anything changes
+            super().free(block)
             if block not in self.ref_cnt:
                 self.index.forget(block)
 
@@ -1470,14 +1471,31 @@ class Scheduler:
         self.stats = PreemptionStats()
 
     def run(self, requests):
-        """Serve requests until every one finishes; return req_id -> its tokens."""
-        for request in requests:  # refused up front, so that the loop below ends
+        """Serve requests until every one finishes; return req_id -> its tokens. Once per
+        scheduler. Refused up front, so that nothing changes and the loop below ends: a
+        request that is not Request(int, list/tuple/range of token ids, int >= 0, int >= 0),
+        a req_id seen before, a request that could never fit the GPU pool."""
+        requests, seen = list(requests), set()
+        if self.stats.steps > 0:
+            raise ValueError("this scheduler has run: make a new one")
+        for request in requests:
+            if not isinstance(request, Request) or type(request.req_id) is not int \
+                    or not isinstance(request.prompt, (list, tuple, range)):
+                raise TypeError(f"not a Request(int, a list, tuple or range, ...): {request!r}")
+            check_tokens(request.prompt)
+            check_int(request.max_tokens, "max_tokens", 0)
+            check_int(request.arrival, "arrival", 0)
+            if request.req_id in seen:
+                raise ValueError(f"request {request.req_id} is there twice")
+            seen.add(request.req_id)
             if cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size) \
                     + self.margin > self.gpu.num_blocks:
                 raise ValueError(f"request {request.req_id} can never fit the GPU pool")
         pending = sorted(requests, key=lambda r: (-r.arrival, -r.req_id))  # the next one last
         waiting, step = [], 0
         while len(pending) + len(waiting) + len(self.running) + len(self.preempted) > 0:
+            if len(waiting) + len(self.running) + len(self.preempted) == 0:
+                step = max(step, pending[-1].arrival)  # idle until the next arrival: skip
             while len(pending) > 0 and pending[-1].arrival <= step:
                 waiting.append(pending.pop())
             for req_id in sorted(self.preempted):  # oldest first; nobody overtakes them
@@ -1630,7 +1648,7 @@ def demo_evict(block_size, seed):
     print(f"3. vs the paper (7.3), over {EVICT_SEEDS} seeds x {len(COPY_LATENCY_S)} copy "
           "latencies, quoted:")
     print(textwrap.fill(f'"{PAPER_73}"', 96, initial_indent="   ", subsequent_indent="   "))
-    holds, tested, share = Counter(), 0, 0.0
+    holds, tested, share = Counter(), Counter(), 0.0
     for s, lat in [(s, lat) for s in range(first, first + EVICT_SEEDS) for lat in COPY_LATENCY_S]:
         ratio, end_to_end = {}, {}
         for size in [size for size in EVICT_SIZES if runs[s, size].preemptions > 0]:
@@ -1639,22 +1657,24 @@ def demo_evict(block_size, seed):
             ratio[size], end_to_end[size] = recompute / swap, (decode + recompute) / (decode + swap)
             if 16 <= size <= 64:
                 share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
-        if len(ratio) == 0:  # no preemption at any block size: nothing to compare
-            continue
-        tested += 1
-        holds["shape"] += ratio[min(ratio)] < 1 < ratio[max(ratio)]  # sizes with preemptions
-        holds["20%"] += max(ratio.values()) <= COMPARABLE
-        holds["medium"] += all(1 / COMPARABLE <= end_to_end[size] <= COMPARABLE
-                               for size in end_to_end if 16 <= size <= 64)
+        medium = [end_to_end[size] for size in end_to_end if 16 <= size <= 64]
+        tested["shape"] += len(ratio) > 1  # block sizes with preemptions, to compare
+        tested["20%"] += len(ratio) > 0
+        tested["medium"] += len(medium) > 0
+        holds["shape"] += len(ratio) > 1 and ratio[min(ratio)] < 1 < ratio[max(ratio)]
+        holds["20%"] += len(ratio) > 0 and max(ratio.values()) <= COMPARABLE
+        holds["medium"] += len(medium) > 0 and all(1 / COMPARABLE <= e <= COMPARABLE
+                                                   for e in medium)
     for claim, text in (("shape", "small blocks favour recompute, large ones swap (recovery)"),
                         ("20%", f"recompute at most {COMPARABLE}x swap at every size (recovery)"),
                         ("medium", f"within {COMPARABLE}x either way at 16-64 (end to end)")):
-        verdict = ("untested" if tested == 0 else "holds" if holds[claim] == tested
+        verdict = ("untested" if tested[claim] == 0 else "holds" if holds[claim] == tested[claim]
                    else "does not hold" if holds[claim] == 0 else "holds in part")
-        print(f"   {text:<66} {verdict}: {holds[claim]} of {tested}")
-    print(f"   at 16-64, recovery is at most {share:.1%} of the end-to-end time, the decode "
-          "steps the rest")
-    if tested > 0 and share < 0.5:
+        print(f"   {text:<66} {verdict}: {holds[claim]} of {tested[claim]}")
+    if tested["medium"] > 0:
+        print(f"   at 16-64, recovery is at most {share:.1%} of the end-to-end time, the decode "
+              "steps the rest")
+    if tested["medium"] > 0 and share < 0.5:
         print("   so the third claim is about decode time more than about recovery")
     print("   workload: ours is ShareGPT-like lengths, one arrival a step; the paper served "
           "ShareGPT at")
@@ -1774,6 +1794,16 @@ def sharing_saving(dataset, kind, width, seed, block_size):
     return 1 - used / entries
 
 
+def versus(low, high, paper_low, paper_high):
+    """Where our range lies against the paper's: versus(0.5, 0.6, 0.3, 0.45) == "above by 5.0
+    pp" (percentage points); else "below by", "inside" or "overlaps"."""
+    if high < paper_low:
+        return f"below by {(paper_low - high) * 100:.1f} pp"
+    if low > paper_high:
+        return f"above by {(low - paper_high) * 100:.1f} pp"
+    return "inside" if paper_low <= low and high <= paper_high else "overlaps"
+
+
 def demo_beam(block_size, seed):
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
@@ -1785,9 +1815,10 @@ def demo_beam(block_size, seed):
             f", not {samples - 1}: one per writer but the last"
         print(f"   {prompt_len} tokens, ending {where}: {plural(copies, 'copy', 'copies')}"
               + (expected if prompt_len % block_size else ""))
-    print("2. the beams after step 6 of a beam search (prompt 10, width 4, block size 4), "
-          "[block:ref-count]")
-    print("\n".join(beam_search(10, 4, 8, block_size=4, picture_step=6).picture))
+    prompt_len, width, size, steps = 10, 4, 4, 7
+    print(f"2. the beams of a beam search after {steps} steps (prompt {prompt_len}, width {width}, "
+          f"block size {size}), [block:ref-count]")
+    print("\n".join(beam_search(prompt_len, width, 8, size, picture_step=steps - 1).picture))
     print(f"3. saved memory vs the paper (6.3), over {SHARING_SEEDS} traces a cell; the paper's "
           "saving, quoted:")
     print(textwrap.fill(f'"{PAPER_63["saving"]}" (ours: the same, summed over every step of a '
@@ -1801,10 +1832,7 @@ def demo_beam(block_size, seed):
             for width in widths:
                 values = [sharing_saving(dataset, kind, width, s, block_size)
                           for s in range(first, first + SHARING_SEEDS)]
-                where = ("inside" if low <= min(values) and max(values) <= high else
-                         f"above by {(min(values) - high) * 100:.1f} pp" if min(values) > high else
-                         f"below by {(low - max(values)) * 100:.1f} pp" if max(values) < low
-                         else "overlaps")
+                where = versus(min(values), max(values), low, high)
                 print(f"   {dataset[0]:<9} {kind:<9} {SHARING_REQUESTS[dataset[0], kind]:>8}  "
                       f"{width:>6}  {min(values):>5.1%}-{max(values):<6.1%}"
                       f"{(max(values) - min(values)) * 100:>4.1f} pp  {low:>5.1%}-{high:<6.1%}"
@@ -1890,7 +1918,6 @@ def demo_sweep(block_size, seed):
                                  for size in SWEEP_SIZES))
     budgets = (MAX_FRAGMENTATION / 2, MAX_FRAGMENTATION, 2 * MAX_FRAGMENTATION)
     spots = {}  # (dataset name, budget) -> the sweet spot of each seed
-    first_waste = {}  # dataset name -> block size -> fragmentation, first seed
     for dataset, kv_tokens in SWEEP_BUDGETS.items():
         for s in range(first, first + SWEEP_SEEDS):
             rows = {size: measure_block_size(sweep_workload(dataset, s), kv_tokens, size)
@@ -1899,7 +1926,6 @@ def demo_sweep(block_size, seed):
                 spots.setdefault((dataset[0], budget), []).append(
                     sweet_spot({size: row[0] for size, row in rows.items()}, budget))
             if s == first:
-                first_waste[dataset[0]] = {size: row[0] for size, row in rows.items()}
                 print(f"{dataset[0]}-like, seed {s}: {SWEEP_REQUESTS} requests around the "
                       f"paper's means {dataset[1]:.0f}/{dataset[2]:.0f}; fit: in {kv_tokens:,} "
                       "tokens of KV")
@@ -1921,10 +1947,11 @@ def demo_sweep(block_size, seed):
         inside = sum(s in paper for s in found)
         print(f"   ours at {MAX_FRAGMENTATION:.0%}, {name}-like: {inside} of {len(found)} sweet "
               f"spots inside {paper.start}-{paper.stop - 1}")
+        below = sum(s is None or s < paper.start for s in found)
         if inside < len(found):
-            print(f"   why: at block {paper.start}, seed {first} already wastes "
-                  f"{first_waste[name][paper.start]:.1%}; our sweet spot weighs waste only,")
-            print("   while the paper ranks serving performance, which this lab does not time")
+            print(f"   outside: {below} below, {len(found) - inside - below} above; our sweet "
+                  "spot weighs waste only, while")
+            print("   the paper ranks serving performance, which this lab does not time")
 
 
 # ---------------------------------------------------------------------------------------
@@ -1998,9 +2025,9 @@ def bench_allocate_free(num_blocks, count, full=0.0, scan=False):
     return make_run, count
 
 
-def bench_fork_free(num_blocks, seq_blocks, forks=20):
+def bench_fork_free(num_blocks, seq_blocks, block_size, forks=20):
     def make_run():
-        seq = Sequence(0, BlockAllocator(num_blocks), range(seq_blocks * BLOCK_SIZE))
+        seq = Sequence(0, BlockAllocator(num_blocks, block_size), range(seq_blocks * block_size))
         return lambda: [seq.fork(i).free() for i in range(forks)]
     return make_run, forks * seq_blocks
 
@@ -2028,15 +2055,20 @@ def bench_admission(num_blocks, prompts, block_size, floor=False):
 
 
 def demo_bench(block_size, seed):
-    pools, size, repeats = BENCH_POOLS, block_size, BENCH_REPEATS
-    tokens, prompts = pools[0] * size // 2, [p for p, _ in chat_stream(4 if seed is None else seed)]
+    pools, size, repeats = sorted(BENCH_POOLS), block_size, BENCH_REPEATS
+    tokens, probe, prompts = pools[0] * size // 2, PrefixCachingAllocator(pools[0], size), []
+    for prompt, _ in chat_stream(4 if seed is None else seed):  # admission keeps its prompts:
+        if cdiv(len(prompt), size) > probe.num_free:             # as many as the smallest
+            break                                                # pool holds
+        Sequence(len(prompts), probe, prompt)
+        prompts.append(prompt)
     print(f"== bench: ns per operation at pools of {', '.join(f'{n:,}' for n in pools)} blocks "
           f"(best of {repeats}) ==")
     rows = {"append, per token": lambda n: bench_append(BlockAllocator, n, tokens, size),
             "append, prefix-caching pool": lambda n: bench_append(PrefixCachingAllocator, n,
                                                                   tokens, size),
             "allocate + free, per block": lambda n: bench_allocate_free(n, pools[0] // 2),
-            "fork + free, per block shared": lambda n: bench_fork_free(n, pools[0] // 20),
+            "fork + free, per block shared": lambda n: bench_fork_free(n, pools[0] // 20, size),
             "cache admission, per prompt block": lambda n: bench_admission(n, prompts, size)}
     print(f"1. scaling {'':>31}" + "".join(f"{n:>11,}" for n in pools) + "   largest/smallest")
     for label, bench in rows.items():
@@ -2146,7 +2178,8 @@ def trace_prompt(request, block_size):
                                                 for h in request.hash_ids[:full]))
     if rem > 0:
         start = request.hash_ids[-1] * block_size
-        tokens += range(start, start + min(block_size - 1, max(1, rem * block_size // 512)))
+        tokens += range(start, start + min(block_size - 1,
+                                           max(1, rem * block_size // TRACE_ID_TOKENS)))
     return tokens
 
 
@@ -2281,8 +2314,8 @@ def progress(line):
 def demo_trace(path, limit, block_size, index="hash"):
     requests = load_trace(path, limit)
     ceiling, total = trace_ceiling(requests)
-    if total == 0:
-        raise ValueError(f"{path}: no prompt fills a {TRACE_ID_TOKENS}-token hash id")
+    if ceiling == 0:  # no full prompt block (a hash id) comes twice
+        raise ValueError(f"{path}: no {TRACE_ID_TOKENS}-token hash id repeats: no cache can hit")
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
 
@@ -2405,8 +2438,10 @@ def knob_problems(b):
              ("POOL_TOKENS", pool, math.inf), ("CACHE_POOLS", b * cdiv(chat, b), math.inf),
              ("GPU_KV_TOKENS", 2 * MAX_SEQ_LEN, math.inf),
              ("EVICT_SIZES", 1, MAX_BLOCK_SIZE), ("SWEEP_SIZES", 1, MAX_BLOCK_SIZE),
-             ("COMPARABLE", 1, math.inf), ("MAX_FRAGMENTATION", 0.001, 0.5),
-             ("BENCH_POOLS", 100, math.inf), ("BENCH_FULL", 0, 0.99), ("TRACE_SIZES", 2, 8),
+             ("COMPARABLE", 1, math.inf), ("MAX_FRAGMENTATION", 0.001, 0.25),
+             ("SWEEP_BUDGETS", MAX_BLOCK_SIZE, math.inf),
+             ("BENCH_POOLS", max(100, cdiv(chat, b)), math.inf), ("BENCH_FULL", 0, 0.99),
+             ("TRACE_SIZES", 2, 8),
              ("KNEE", 0.01, 1)]
     problems = []
     for name, low, high in rules:
@@ -2479,6 +2514,9 @@ def main(argv=None):
     problems = knob_problems(args.block_size)
     if len(problems) > 0:
         parser.error(f"a knob cannot work: {problems[0]}")
+    trace_options = args.requests is not None or args.index != "hash"
+    if (names[0] == "trace" and args.seed is not None) or (names[0] != "trace" and trace_options):
+        parser.error("--requests and --index are trace's options, and trace takes no --seed")
     if names[0] == "trace":
         if len(names) != 2:
             parser.error("trace PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
@@ -2487,6 +2525,8 @@ def main(argv=None):
             return demo_trace(names[1], args.requests, args.block_size, args.index)
         except (OSError, ValueError) as error:  # a missing file, a malformed line
             parser.error(str(error))
+    if "all" in names and names != ["all"]:
+        parser.error("all stands alone: python solution.py all")
     names = [*CORE, *EXTENSIONS] if names == ["all"] else names
     unknown = [name for name in names if name not in every]
     if len(unknown) > 0:

@@ -153,6 +153,17 @@ class TestPart1Pool:
         assert pool.num_copies == 1
         refused(lambda: pool.copy_block(block), lab.OutOfBlocksError, pool)
 
+    @pytest.mark.parametrize("block", [2, -1, "0", None])
+    def test_copy_block_refuses_an_unknown_source_before_taking_a_block(self, lab, block):
+        pool = lab.BlockAllocator(2, 2)
+        refused(lambda: pool.copy_block(block), ValueError, pool)
+
+    @pytest.mark.parametrize("n, exception", [(-1, ValueError), (True, TypeError),
+                                              (1.0, TypeError)])
+    def test_allocate_many_refuses_a_count_that_is_no_count(self, lab, n, exception):
+        pool = lab.BlockAllocator(2, 2)
+        refused(lambda: pool.allocate_many(n), exception, pool)
+
     def test_a_plain_pool_caches_nothing_but_checks_the_tokens(self, lab):
         pool = lab.BlockAllocator(4, 2)
         assert pool.share_cached_prefix([1, 2, 3]) == ([], 0) and pool.audit_kept() == []
@@ -160,7 +171,9 @@ class TestPart1Pool:
             refused(lambda tokens=(1, bad): pool.share_cached_prefix(list(tokens)), exception, pool)
         block = pool.allocate()
         assert pool.share_tail(block) == block and pool.refcount(block) == 2
-        assert pool.cache_blocks([block], [1, 2], 0, 1) is None
+        before = state(pool)
+        pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
+        assert state(pool) == before
 
 
 # ---------------------------------------------------------------------------------------
@@ -450,6 +463,12 @@ class TestPart6Cache:
         assert pool.share_cached_prefix([*range(8), *range(50, 55)]) == (first_two, 8)
         assert (pool.hits, pool.misses) == (2, 3)  # a: 2 misses; the lookup: 2 hits, 1 miss
 
+    @pytest.mark.parametrize("block", [True, 1.0, 3, 9])
+    def test_a_caching_pool_refuses_to_free_what_is_no_block_in_use(self, lab, block):
+        pool = caching(lab, 4, index="hash")  # True == 1.0 == 1 as dict keys: not a block id
+        seq = lab.Sequence("a", pool, range(8))  # blocks 0 and 1, both cached
+        refused(lambda: pool.free(block), ValueError, pool, [seq])
+
     def test_the_block_hash_chains_the_history(self, lab):
         h0 = lab.hash_block_tokens(None, [1, 2, 3, 4])
         assert lab.hash_block_tokens(h0, [5, 6, 7, 8]) != lab.hash_block_tokens(
@@ -677,6 +696,30 @@ class TestPart7Preemption:
             with pytest.raises(ValueError):
                 lab.Scheduler(lab.BlockAllocator(8, 4), host, policy)
 
+    @pytest.mark.parametrize("bad, exception", [
+        ((0, [1, -2], 2, 0), ValueError), ((0, [1], -1, 0), ValueError),
+        ((0, [1], 1, 1.5), TypeError), (("a", [1], 1, 0), TypeError),
+        ((0, iter([1]), 1, 0), TypeError)])  # a prompt is read more than once
+    def test_the_scheduler_refuses_a_bad_request_before_running_any(self, lab, bad, exception):
+        gpu, host = lab.BlockAllocator(20, 2), lab.BlockAllocator(20, 2)
+        scheduler = lab.Scheduler(gpu, host, "swap")
+        with pytest.raises(exception):
+            scheduler.run([lab.Request(1, [5, 6], 3, 0), lab.Request(*bad)])
+        assert gpu.num_free == host.num_free == 20 and scheduler.finished == {}
+
+    def test_the_scheduler_refuses_a_repeated_req_id_and_a_second_run(self, lab):
+        scheduler = lab.Scheduler(lab.BlockAllocator(20, 2), None, "recompute")
+        with pytest.raises(ValueError):
+            scheduler.run([lab.Request(0, [1], 1, 0), lab.Request(0, [2], 1, 0)])
+        assert scheduler.run([lab.Request(0, [1], 1, 0)]) == {0: [1, lab.next_token(0, 1)]}
+        with pytest.raises(ValueError):
+            scheduler.run([lab.Request(1, [1], 1, 0)])
+
+    def test_the_scheduler_skips_idle_steps_to_the_next_arrival(self, lab):
+        scheduler = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute")
+        scheduler.run([lab.Request(0, [1], 1, 10 ** 9)])  # would loop 10^9 steps otherwise
+        assert scheduler.stats.steps == 10 ** 9 + 1
+
     def test_max_tokens_zero_finishes_with_its_prompt(self, lab):
         finished = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute").run(
             self.requests(lab, [(3, 0)]))
@@ -688,8 +731,21 @@ class TestPart7Preemption:
         assert out.count(" of 8\n") == 3 and "2.01 requests/s" in out
         assert all(f"\n   {size:>5} " in out for size in lab.EVICT_SIZES)
 
+    def test_a_claim_no_run_can_test_is_called_untested(self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "EVICT_SIZES", (1, 256))  # none of 16-64
+        lab.demo_evict(16, None)
+        out = capsys.readouterr().out
+        assert "(end to end)                       untested: 0 of 0" in out
+        assert "at 16-64, recovery" not in out
+
 
 class TestPart8Beams:
+
+    @pytest.mark.parametrize("ours, paper, verdict", [
+        ((0.5, 0.6), (0.3, 0.45), "above by 5.0 pp"), ((0.1, 0.2), (0.25, 0.3), "below by 5.0 pp"),
+        ((0.3, 0.4), (0.3, 0.45), "inside"), ((0.2, 0.4), (0.3, 0.45), "overlaps")])
+    def test_our_range_against_the_papers(self, lab, ours, paper, verdict):
+        assert lab.versus(*ours, *paper) == verdict
 
     def test_a_prompt_ending_mid_block_costs_one_copy_per_writer_but_the_last(self, lab):
         assert lab.parallel_sampling(10, [3, 3, 3, 3], 4).copies == 3
@@ -737,13 +793,22 @@ class TestPart9Sweep:
         out = capsys.readouterr().out
         assert "is ours, not the paper's" in out and "budget 2.5%" in out and "budget 10.0%" in out
 
+    def test_the_sweep_counts_sweet_spots_below_and_above_the_papers_range(self, lab, capsys,
+                                                                          monkeypatch):
+        monkeypatch.setattr(lab.module, "SWEEP_SIZES", (1, 2, 4, 8))  # all below 16
+        lab.demo_sweep(16, None)
+        out = capsys.readouterr().out
+        assert out.count("outside: 3 below, 0 above") == 2
+
 
 class TestPart10Bench:
 
-    def test_the_bench_runs_at_tiny_sizes_and_prints_every_target(self, lab, capsys, monkeypatch):
-        monkeypatch.setattr(lab.module, "BENCH_POOLS", (1000, 2000))
+    @pytest.mark.parametrize("block_size", [1, 16])  # at 1, fewer prompts fit 1,000 blocks
+    def test_the_bench_runs_at_tiny_sizes_and_prints_every_target(self, lab, capsys, monkeypatch,
+                                                                  block_size):
+        monkeypatch.setattr(lab.module, "BENCH_POOLS", (2000, 1000))  # in any order
         monkeypatch.setattr(lab.module, "BENCH_REPEATS", 1)
-        lab.demo_bench(16, None)
+        lab.demo_bench(block_size, None)
         out = capsys.readouterr().out
         assert out.count("x\n") >= 9 and "SHA-256 + a look-up" in out and "bytes a block" in out
 
@@ -759,6 +824,11 @@ def hits(lab, requests, num_blocks, policy, block_size=2):
 
 
 class TestPart11Trace:
+
+    def test_a_pool_refuses_a_look_ahead_that_has_no_future(self, lab):
+        with pytest.raises(ValueError):
+            lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3))  # replay_trace gives it one
+        lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3, {}))
 
     def test_trace_prompt_worked_example(self, lab):
         request = lab.TraceRequest(0, 1100, 10, [7, 9, 3])
@@ -863,7 +933,9 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
                                       ["--seed", "-1"], ["nope"], ["trace"],
-                                      ["starter", "12", "f.py"], ["--index", "tree"]])
+                                      ["starter", "12", "f.py"], ["--index", "tree"],
+                                      ["all", "bench"], ["cache", "--requests", "5"],
+                                      ["trace", "t.jsonl", "--seed", "1"]])
     def test_bad_options_exit_2_with_one_line(self, lab, capsys, argv):
         with pytest.raises(SystemExit) as exit_:
             lab.main(argv)
@@ -871,7 +943,8 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("knob, value", [("MAX_LEN", 100), ("POOL_TOKENS", 100),
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
-                                             ("KNEE", 0), ("SHARING_REQUESTS", {("a", "b"): 0})])
+                                             ("KNEE", 0), ("SHARING_REQUESTS", {("a", "b"): 0}),
+                                             ("SWEEP_BUDGETS", {"a": 8}), ("BENCH_POOLS", (10,))])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, lab, capsys,
                                                                    monkeypatch, knob, value):
         monkeypatch.setattr(lab.module, knob, value)
