@@ -532,17 +532,26 @@ def check_block_boundary(block_size):
     return f"block boundary: a new block exactly when the last is full (sizes {str(sizes)[1:-1]})"
 
 
+def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=None):
+    """Where each sharing bug shows: a holds a full block and a partly full one; b shares
+    both but a's last token; b appends (a copy); a is freed (b keeps the shared block); c
+    arrives. check_invariants after each step; done, if given, gets each step's name first."""
+    pool, live = pool_class(8, size), {}
+    steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
+             "a.extend": lambda: live["a"].extend([size, size + 1]),
+             "b": lambda: live.update(b=share_prefix(live["a"], "b", size + 1)),
+             "b.append": lambda: live["b"].append(99), "a.free": lambda: live.pop("a").free(),
+             "c": lambda: live.update(c=seq_class("c", pool, range(100, 100 + size + 2)))}
+    for what, step in steps.items():
+        (done if done is not None else []).append(what)
+        step()
+        check_invariants(pool, live.values())
+
+
 def check_sharing(block_size):
     """Shared blocks count once, a write into one copies it, freeing one keeps it."""
-    size = max(3, block_size)  # a block of 1 or 2 tokens cannot hold the case below
-    pool, n = BlockAllocator(8, size), size + 2
-    a = Sequence("a", pool, range(n))  # a full block and a partly full one
-    b = share_prefix(a, "b", n - 1)    # b shares both, holding one token less
-    expect(pool.num_used == 2, f"counting: 2 shared blocks counted as {pool.num_used}")
-    b.append(99)  # where a's last token is: b must write into a copy
-    check_invariants(pool, [a, b])
-    a.free()
-    check_invariants(pool, [b])
+    size = max(3, block_size)  # a block of 1 or 2 tokens cannot hold the scenario
+    sharing_scenario(size)
     return f"sharing: counted once, copied before a write, kept while held (size {size})"
 
 
@@ -564,9 +573,8 @@ def block_map(allocator, sequences):
 
 
 # The four classic pitfalls, each one line of the code above and the line that commits it
-# (README's "Break it" asks you to make the same edits in your own copy), each caught here
-# in the same scenario: a holds a full block and a partly full one; b shares both but a's
-# last token; b appends; a is freed; c arrives.
+# (README's "Break it" asks you to make the same edits in your own copy), each caught in
+# sharing_scenario.
 PITFALLS = [
     ("freeing a shared block", BlockAllocator.free, "if self.ref_cnt[block] == 0:", "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
@@ -589,26 +597,6 @@ def commit_bug(method, line, bug):
     return type(f"Broken{owner.__name__}", (owner,), namespace)
 
 
-def pitfall_caught(broken, size):
-    """Run the pitfalls' scenario with the broken class, checking after each step: what
-    caught the bug, and after which step."""
-    pool_class, seq_class = (broken, Sequence) if issubclass(broken, BlockAllocator) else (
-        BlockAllocator, broken)
-    pool, live = pool_class(8, size), {}
-    steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
-             "a.extend": lambda: live["a"].extend([size, size + 1]),
-             "b": lambda: live.update(b=share_prefix(live["a"], "b", size + 1)),
-             "b.append": lambda: live["b"].append(99), "a.free": lambda: live.pop("a").free(),
-             "c": lambda: live.update(c=seq_class("c", pool, range(100, 100 + size + 2)))}
-    for what, step in steps.items():
-        try:
-            step()
-            check_invariants(pool, live.values())
-        except (AssertionError, OutOfBlocksError, ValueError) as error:
-            return f"caught after {what}: {type(error).__name__}: {error}"
-    return "NOT CAUGHT"
-
-
 def demo_pitfalls(block_size, seed):
     size = max(3, block_size)
     print(f"== pitfalls: each classic bug committed, and what catches it (block size {size}) ==")
@@ -618,8 +606,14 @@ def demo_pitfalls(block_size, seed):
           "check_invariants after each")
     for number, (name, method, line, bug) in enumerate(PITFALLS, 1):
         print(f"{number}. {name}, in {method.__qualname__}:\n   {line!r} -> {bug!r}")
-        print(textwrap.fill(pitfall_caught(commit_bug(method, line, bug), size), 96,
-                            initial_indent="   ", subsequent_indent="      "))
+        broken, done, caught = commit_bug(method, line, bug), [], "NOT CAUGHT"
+        classes = (broken, Sequence) if issubclass(broken, BlockAllocator) else (BlockAllocator,
+                                                                                   broken)
+        try:
+            sharing_scenario(size, *classes, done)
+        except (AssertionError, OutOfBlocksError, ValueError) as error:
+            caught = f"caught after {done[-1]}: {type(error).__name__}: {error}"
+        print(textwrap.fill(caught, 96, initial_indent="   ", subsequent_indent="      "))
 
 
 # ---------------------------------------------------------------------------------------
@@ -708,19 +702,17 @@ def demo_sharing(block_size, seed):
     b = a.fork("b")
     before = block_map(pool, [a, b])
     b.append(99)
-    check_invariants(pool, [a, b])  # both read back their own tokens
-    refs = [pool.refcount(block) for block in (*a.block_table, b.block_table[-1])]
-    tail = n % block_size > 0  # at block size 1 no block is partly full: b takes a new one
-    right = refs == [2] * (len(refs) - 1 - tail) + [1] * (1 + tail)
+    check_invariants(pool, [a, b])  # raises unless ref-counts equal block-table references
     print(f"copy-on-write   : divergence "
           f"{'forked block' if b.block_table[-1] != a.block_table[-1] else 'WROTE IN PLACE'}; "
-          f"refcounts {'correct' if right else f'WRONG {refs}'}")
+          "refcounts correct")
     print(f"  a holds {n} tokens; b = a.fork('b'): both tables point at the same blocks "
           "[block:ref-count]")
     print("\n".join(before))
     print(f"  b.append(99) must not write into block {a.block_table[-1]}, which a still reads: "
-          f"b copies it to block {b.block_table[-1]} first" if tail else "  every block is full: "
-          f"b.append(99) takes a new block ({plural(pool.num_copies, 'copy', 'copies')})")
+          f"b copies it to block {b.block_table[-1]} first" if n % block_size > 0 else
+          "  every block is full: b.append(99) takes a new block "
+          f"({plural(pool.num_copies, 'copy', 'copies')})")
     print("\n".join(block_map(pool, [a, b])))
 
 
