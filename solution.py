@@ -1368,11 +1368,10 @@ def cache_aware_order(block_size, stream):
 # ---------------------------------------------------------------------------------------
 # Part 7. Extension: preemption by recompute or by swap
 # ---------------------------------------------------------------------------------------
-# Paging admits sequences before knowing how long they will grow, so a full pool is
-# normal: when a running sequence needs a block and none is free, the scheduler takes all
-# the blocks of another sequence (the victim) and brings it back later. Recompute throws
-# the victim's KV away and prefills its tokens again on resume; swap copies its blocks to a
-# pool in host memory and back. Which is cheaper is bytes moved against FLOPs redone.
+# Paging admits sequences before knowing how long they will grow, so a full pool is normal:
+# when a running sequence needs a block and none is free, the scheduler takes all the blocks
+# of another (the victim) and brings it back later. Recompute drops its KV and prefills it
+# again on resume; swap copies its blocks to a host pool and back: bytes against FLOPs.
 #
 # The cost model: OPT-13B on one A100-40GB, the paper's setting in 7.3 (its Table 1).
 #   KV per token: K and V x 40 layers x 5120 hidden x 2 bytes (fp16) = 800 KiB (paper: 800 KB)
@@ -1441,14 +1440,13 @@ def swap_in(seq_id, tokens, host_blocks, host, gpu):
 
 
 class Scheduler:
-    """Run requests to completion on a GPU pool, preempting when it runs out: the least
-    recently stepped request (ties: the latest arrival), by "recompute" or by "swap" to a
-    host pool. Each step: resume preempted requests, oldest first, while they fit; admit
-    new ones; give every running request one token. Admissions and resumes keep a 1%
-    margin free (NOTE: vLLM v0's watermark, int(0.01 * num_gpu_blocks); at least 1 here).
-    NOTE: vLLM v1 preempts the latest admitted (running.pop()) and always recomputes; the
-    least recently stepped victim is ours, so a resumed request is not the next victim;
-    swap is vLLM v0's and the paper's."""
+    """Run requests to completion on a GPU pool, preempting when it runs out: the least recently
+    stepped request (ties: the latest arrival), by "recompute" or by "swap" to a host pool. Each
+    step: resume preempted requests, oldest first, while they fit; admit new ones; give every
+    running request one token. Admissions and resumes keep a 1% margin free (NOTE: vLLM v0's
+    watermark, int(0.01 * num_gpu_blocks); at least 1 here). NOTE: vLLM v1 preempts the latest
+    admitted (running.pop()) and always recomputes; the least recently stepped victim is ours,
+    so a resumed request is not the next victim; swap is vLLM v0's and the paper's."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap"):
@@ -1565,9 +1563,8 @@ PAPER_73 = ("recomputation is more efficient when the block size is small, while
 
 
 def draw_length(rng, mean, cap):
-    """A length from an exponential distribution with this mean, in 1..cap. NOTE: the paper
-    gives each dataset's mean lengths (its Fig. 11 shows long tails); the exponential is the
-    least-assuming distribution with a given mean, and long-tailed."""
+    """A length in 1..cap, exponential with this mean. NOTE: the paper gives mean lengths (its
+    Fig. 11: long tails); the exponential is the least-assuming law of a given mean, long-tailed."""
     return min(cap, max(1, round(rng.expovariate(1 / mean))))
 
 
@@ -1640,33 +1637,32 @@ def demo_evict(block_size, seed):
     print(f"3. vs the paper (7.3), over {EVICT_SEEDS} seeds x {len(COPY_LATENCY_S)} copy "
           "latencies, quoted:")
     print(textwrap.fill(f'"{PAPER_73}"', 96, initial_indent="   ", subsequent_indent="   "))
-    holds, tested, share = Counter(), Counter(), 0.0
-    for s, lat in [(s, lat) for s in range(first, first + EVICT_SEEDS) for lat in COPY_LATENCY_S]:
-        ratio, end_to_end = {}, {}
+    outcomes, share = {"shape": [], "20%": [], "medium": []}, 0.0  # claim -> a bool per test
+    for s, lat in itertools.product(range(first, first + EVICT_SEEDS), COPY_LATENCY_S):
+        ratio, medium = {}, []  # recompute / swap, recovery; end to end, at 16-64
         for size in [size for size in EVICT_SIZES if runs[s, size].preemptions > 0]:
             recompute, swap = recovery_seconds(runs[s, size], size, copies, lat)
             decode = runs[s, size].steps * DECODE_STEP_S
-            ratio[size], end_to_end[size] = recompute / swap, (decode + recompute) / (decode + swap)
+            ratio[size] = recompute / swap
             if 16 <= size <= 64:
+                medium.append((decode + recompute) / (decode + swap))
                 share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
-        medium = [end_to_end[size] for size in end_to_end if 16 <= size <= 64]
-        tested["shape"] += len(ratio) > 1  # block sizes with preemptions, to compare
-        tested["20%"] += len(ratio) > 0
-        tested["medium"] += len(medium) > 0
-        holds["shape"] += len(ratio) > 1 and ratio[min(ratio)] < 1 < ratio[max(ratio)]
-        holds["20%"] += len(ratio) > 0 and max(ratio.values()) <= COMPARABLE
-        holds["medium"] += len(medium) > 0 and all(1 / COMPARABLE <= e <= COMPARABLE
-                                                   for e in medium)
+        if len(ratio) > 1:  # block sizes with preemptions, to compare
+            outcomes["shape"].append(ratio[min(ratio)] < 1 < ratio[max(ratio)])
+        if len(ratio) > 0:
+            outcomes["20%"].append(max(ratio.values()) <= COMPARABLE)
+        if len(medium) > 0:
+            outcomes["medium"].append(all(1 / COMPARABLE <= e <= COMPARABLE for e in medium))
     for claim, text in (("shape", "small blocks favour recompute, large ones swap (recovery)"),
                         ("20%", f"recompute at most {COMPARABLE}x swap at every size (recovery)"),
                         ("medium", f"within {COMPARABLE}x either way at 16-64 (end to end)")):
-        verdict = ("untested" if tested[claim] == 0 else "holds" if holds[claim] == tested[claim]
-                   else "does not hold" if holds[claim] == 0 else "holds in part")
-        print(f"   {text:<66} {verdict}: {holds[claim]} of {tested[claim]}")
-    if tested["medium"] > 0:
+        verdict = ("untested" if len(outcomes[claim]) == 0 else "holds" if all(outcomes[claim])
+                   else "does not hold" if not any(outcomes[claim]) else "holds in part")
+        print(f"   {text:<66} {verdict}: {sum(outcomes[claim])} of {len(outcomes[claim])}")
+    if len(outcomes["medium"]) > 0:
         print(f"   at 16-64, recovery is at most {share:.1%} of the end-to-end time, the decode "
               "steps the rest")
-    if tested["medium"] > 0 and share < 0.5:
+    if len(outcomes["medium"]) > 0 and share < 0.5:
         print("   so the third claim is about decode time more than about recovery")
     print("   workload: ours is ShareGPT-like lengths, one arrival a step; the paper served "
           "ShareGPT at")
@@ -1677,13 +1673,12 @@ def demo_evict(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # Part 8. Extension: parallel sampling and beam search
 # ---------------------------------------------------------------------------------------
-# n samples of one prompt, or k beams, are sequences with a long common past. Forked, that
-# past is stored once and each sequence pays only where it diverges: blocks of its own,
-# plus one copy of the shared last block if the fork happened mid-block. Without sharing,
-# every block-table entry would be a block of its own, so one run measures both: the
-# pool's blocks in use, and the sum of the tables' entries.
-# NOTE: vLLM v1 has neither fork nor beam search: n samples are child requests sharing
-# full blocks through the prefix cache, and beam search runs above the engine.
+# n samples of one prompt, or k beams, are sequences with a long common past. Forked, that past
+# is stored once and each sequence pays only where it diverges: blocks of its own, plus one copy
+# of the shared last block if the fork happened mid-block. Without sharing, every block-table
+# entry would be a block of its own, so one run measures both: the pool's blocks in use, and
+# the sum of the tables' entries. NOTE: vLLM v1 has neither fork nor beam search: n samples
+# are child requests sharing full blocks through the prefix cache; beam search runs above it.
 
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in the paper
@@ -1736,10 +1731,9 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
 
 def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, picture_step=-1,
                 check=False):
-    """Beam search with pruning over seeded random scores (no model): each step every beam
-    proposes width candidates, the best width survive, a parent chosen by several is
-    forked, a parent chosen by none is freed. Every beam reads back its own history (with
-    check, after every step)."""
+    """Beam search with pruning over seeded random scores (no model): each step every beam proposes
+    width candidates, the best width survive, a parent chosen by several is forked, a parent chosen
+    by none is freed. Every beam reads back its own history (with check, after every step)."""
     rng, run, ids = random.Random(seed), SharingRun(), itertools.count(1)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     beams = [(0.0, Sequence(0, pool, random_tokens(rng, prompt_len)))]  # (log-prob, beam)
@@ -1835,9 +1829,8 @@ def demo_beam(block_size, seed):
 # Part 9. Extension: the block-size sweep
 # ---------------------------------------------------------------------------------------
 # Small blocks waste little at the end of each sequence but make long block tables (more
-# metadata, more indirection for the attention kernel, more and smaller copies); large
-# blocks are the reverse, and lose more prefix reuse. Each measure below comes from running
-# the workload through the allocators at each size.
+# metadata, more indirection for the attention kernel, more and smaller copies); large blocks
+# are the reverse, and lose more prefix reuse. Each measure runs the allocators at each size.
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TABLE_ENTRY_BYTES = 4     # bytes per block-table entry: int32, as in vLLM's block_tables
@@ -1901,8 +1894,7 @@ def sweet_spot(fragmentation, budget):
 
 def demo_sweep(block_size, seed):
     first = 8 if seed is None else seed
-    print("== sweep: block size against fragmentation, block-table size, capacity, prefix "
-          "reuse ==")
+    print("== sweep: block size against fragmentation, block-table size, capacity, prefix reuse ==")
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
           "a prefix cache cannot reuse")
     print("   block  " + "".join(f"{size:>7}" for size in SWEEP_SIZES))
@@ -1960,12 +1952,12 @@ BENCH_FULL = 0.9  # the share of the pool in use when a free list and a scan are
 
 
 def ns_per_op(benches, repeats):
-    """Best ns per operation of each (make_run, ops) bench, taking turns so that every
-    bench sees the same machine; setup stays outside the clock, the collector paused."""
+    """Best ns per operation of each (setup, *args) bench, setup(*args) giving (run, ops), in
+    turns so that every bench sees the same machine; setup outside the clock, the collector off."""
     best = [math.inf] * len(benches)
     for _ in range(repeats):
-        for i, (make_run, ops) in enumerate(benches):
-            run = make_run()
+        for i, (setup, *args) in enumerate(benches):
+            run, ops = setup(*args)
             gc.disable()
             start = time.perf_counter()
             run()
@@ -1977,73 +1969,64 @@ def ns_per_op(benches, repeats):
 def bench_append(pool_class, num_blocks, num_tokens, block_size):
     """Appends into a warm pool, whose blocks come back from the free list as in a server
     that has run a while; a prefix-caching pool also hashes each block that fills."""
-    def make_run():
-        pool, tokens = pool_class(num_blocks, block_size), list(range(num_tokens))
-        for block in pool.allocate_many(cdiv(num_tokens, block_size)):
-            pool.free(block)  # warm: the blocks come back from the free list
-        append = Sequence(0, pool).append
-        return lambda: [append(token) for token in tokens]
-    return make_run, num_tokens
+    pool, tokens = pool_class(num_blocks, block_size), list(range(num_tokens))
+    for block in pool.allocate_many(cdiv(num_tokens, block_size)):
+        pool.free(block)  # warm: the blocks come back from the free list
+    append = Sequence(0, pool).append
+    return (lambda: [append(token) for token in tokens]), num_tokens
 
 
 def bench_bare_append(num_blocks, num_tokens, block_size):
     """Only the unavoidable work: write the slot, take a block from a list at boundaries."""
-    def make_run():
-        free, slots = list(range(num_blocks)), [None] * (num_blocks * block_size)
-        def run(slot=0):
-            for n in range(num_tokens):
-                if n % block_size == 0:
-                    slot = free.pop() * block_size
-                slots[slot + n % block_size] = n
-        return run
-    return make_run, num_tokens
+    free, slots = list(range(num_blocks)), [None] * (num_blocks * block_size)
+    def run(slot=0):
+        for n in range(num_tokens):
+            if n % block_size == 0:
+                slot = free.pop() * block_size
+            slots[slot + n % block_size] = n
+    return run, num_tokens
 
 
 def bench_allocate_free(num_blocks, count, full=0.0, scan=False):
     """allocate + free, count times, on a pool whose first full share is in use; or the
     slow way, for comparison: search a ref-count list for a free block (list.index, in C)."""
-    def make_run():
-        if scan:
-            ref_cnt = [1] * int(num_blocks * full) + [0] * (num_blocks - int(num_blocks * full))
-            def run():
-                for _ in range(count):
-                    block = ref_cnt.index(0)  # allocate: the first free block
-                    ref_cnt[block] = 1
-                    ref_cnt[block] = 0        # and free it
-            return run
-        pool = BlockAllocator(num_blocks)
-        pool.allocate_many(int(num_blocks * full))
-        return lambda: [pool.free(pool.allocate()) for _ in range(count)]
-    return make_run, count
+    if scan:
+        ref_cnt = [1] * int(num_blocks * full) + [0] * (num_blocks - int(num_blocks * full))
+        def run():
+            for _ in range(count):
+                block = ref_cnt.index(0)  # allocate: the first free block
+                ref_cnt[block] = 1
+                ref_cnt[block] = 0        # and free it
+        return run, count
+    pool = BlockAllocator(num_blocks)
+    pool.allocate_many(int(num_blocks * full))
+    return (lambda: [pool.free(pool.allocate()) for _ in range(count)]), count
 
 
 def bench_fork_free(num_blocks, seq_blocks, block_size, forks=20):
-    def make_run():
-        seq = Sequence(0, BlockAllocator(num_blocks, block_size), range(seq_blocks * block_size))
-        return lambda: [seq.fork(i).free() for i in range(forks)]
-    return make_run, forks * seq_blocks
+    seq = Sequence(0, BlockAllocator(num_blocks, block_size), range(seq_blocks * block_size))
+    return (lambda: [seq.fork(i).free() for i in range(forks)]), forks * seq_blocks
 
 
 def bench_admission(num_blocks, prompts, block_size, floor=False):
     """Admit prompts (each kept) on a warm prefix-caching pool; or the floor: only SHA-256 of
     each full block's pickled (parent hash, token tuple), as vLLM hashes, and a look-up."""
-    def make_run():
-        if floor:
-            cached = {}
-            def run():
-                for prompt in prompts:
-                    parent = NONE_HASH
-                    for k in range(len(prompt) // block_size):
-                        pair = (parent, tuple(prompt[k * block_size:(k + 1) * block_size]))
-                        pickled = pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)
-                        parent = hashlib.sha256(pickled).digest()
-                        cached.get(parent)
-            return run
-        pool = PrefixCachingAllocator(num_blocks, block_size)
-        for block in pool.allocate_many(num_blocks):  # warm: blocks come from the free list
-            pool.free(block)
-        return lambda: [Sequence(i, pool, prompt) for i, prompt in enumerate(prompts)]
-    return make_run, sum(len(prompt) // block_size for prompt in prompts)
+    ops = sum(len(prompt) // block_size for prompt in prompts)
+    if floor:
+        cached = {}
+        def run():
+            for prompt in prompts:
+                parent = NONE_HASH
+                for k in range(len(prompt) // block_size):
+                    pair = (parent, tuple(prompt[k * block_size:(k + 1) * block_size]))
+                    pickled = pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)
+                    parent = hashlib.sha256(pickled).digest()
+                    cached.get(parent)
+        return run, ops
+    pool = PrefixCachingAllocator(num_blocks, block_size)
+    for block in pool.allocate_many(num_blocks):  # warm: blocks come from the free list
+        pool.free(block)
+    return (lambda: [Sequence(i, pool, prompt) for i, prompt in enumerate(prompts)]), ops
 
 
 def demo_bench(block_size, seed):
@@ -2064,20 +2047,20 @@ def demo_bench(block_size, seed):
             "cache admission, per prompt block": lambda n: bench_admission(n, prompts, size)}
     print(f"1. scaling {'':>31}" + "".join(f"{n:>11,}" for n in pools) + "   largest/smallest")
     for label, bench in rows.items():
-        times = ns_per_op([bench(n) for n in pools], repeats)
+        times = ns_per_op([(bench, n) for n in pools], repeats)
         print(f"   {label:<39}" + "".join(f"{t:>11.0f}" for t in times)
               + f"   {times[-1] / times[0]:>15.2f}x")
     print(f"   why a free list: allocate + free at a pool {BENCH_FULL:.0%} full, against a scan")
     for n in pools:
-        free_list, scan = ns_per_op([bench_allocate_free(n, 200, BENCH_FULL),
-                                     bench_allocate_free(n, 20, BENCH_FULL, scan=True)], repeats)
+        free_list, scan = ns_per_op([(bench_allocate_free, n, 200, BENCH_FULL),
+                                     (bench_allocate_free, n, 20, BENCH_FULL, True)], repeats)
         print(f"   {n:>11,} blocks: free list {free_list:>5.0f}, scan (list.index, in C) "
               f"{scan:>9.0f} ns: {scan / free_list:,.0f}x")
-    ours, caching, bare = ns_per_op([bench_append(BlockAllocator, pools[0], tokens, size),
-                                     bench_append(PrefixCachingAllocator, pools[0], tokens, size),
-                                     bench_bare_append(pools[0], tokens, size)], repeats)
-    admission, floor = ns_per_op([bench_admission(pools[0], prompts, size),  # short runs:
-                                  bench_admission(pools[0], prompts, size, floor=True)],
+    ours, caching, bare = ns_per_op([(bench_append, BlockAllocator, pools[0], tokens, size),
+                                     (bench_append, PrefixCachingAllocator, pools[0], tokens, size),
+                                     (bench_bare_append, pools[0], tokens, size)], repeats)
+    admission, floor = ns_per_op([(bench_admission, pools[0], prompts, size),  # short runs:
+                                  (bench_admission, pools[0], prompts, size, True)],
                                  4 * repeats)  # more repeats
     print(f"2. against the least work, {platform.python_implementation()} "
           f"{platform.python_version()} (targets: the last two <= 2x)")
@@ -2158,13 +2141,12 @@ def parse_trace_line(line, where):
 
 def trace_prompt(request, block_size):
     """The prompt the replay admits: each hash id h becomes one block of block_size tokens
-    h * block_size + k; a partial last id (input_length % 512 != 0) keeps
-    min(block_size - 1, max(1, rem * block_size // 512)) of them, so it is never full.
-    Example: block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full
-    (tokens 28..31, 36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1
-    token: 12. Block-level reuse is what a prefix cache sees, so with room for everything
-    the scale does not change which blocks hit; under pressure a request's partial and
-    decode blocks take room too, so hits move a little with it."""
+    h * block_size + k; a partial last id (rem = input_length % 512 > 0) keeps
+    min(block_size - 1, max(1, rem * block_size // 512)) of them, so it is never full. Example:
+    block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full (tokens 28..31,
+    36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1 token: 12. A prefix cache
+    sees block-level reuse, so with room for everything the scale does not change which blocks
+    hit; under pressure the partial and decode blocks take room too, so hits move a little."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
     tokens = list(itertools.chain.from_iterable(range(h * block_size, (h + 1) * block_size)
                                                 for h in request.hash_ids[:full]))
@@ -2265,11 +2247,10 @@ def trace_future(prompts, block_size):
 
 def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, index="hash",
                  prompts=None):
-    """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size,
-    policy, index): admit the prompt (trace_prompt; prompts: all of them, if the caller
-    has them), append the decode tokens one at a time from a counter above every prompt
-    token, free. policy "optimal" is Lookahead(math.inf); a Lookahead without a future
-    gets this trace's. Returns the pool."""
+    """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
+    index): admit the prompt (trace_prompt; prompts: all of them, if the caller has them), append
+    the decode tokens one at a time from a counter above every prompt token, free. policy "optimal"
+    is Lookahead(math.inf); a Lookahead without a future gets this trace's. Returns the pool."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal":
@@ -2310,9 +2291,8 @@ def demo_trace(path, limit, block_size, index="hash"):
         raise ValueError(f"{path}: no {TRACE_ID_TOKENS}-token hash id repeats: no cache can hit")
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
-
     def replay(policy, size, with_index=index):
-        """The hits of one replay, each run once; a number is a Lookahead window."""
+        """The pool of one replay, each run once; a number is a Lookahead window."""
         if (policy, size, with_index) not in pools:
             progress(f"trace: replay {len(pools) + 1} ({'lookahead ' * (type(policy) is int)}"
                      f"{policy}, {size:,} blocks)")
@@ -2320,23 +2300,22 @@ def demo_trace(path, limit, block_size, index="hash"):
                 policy) is int or policy == "optimal" else policy
             pools[policy, size, with_index] = replay_trace(requests, size, spec, block_size,
                                                            with_index, prompts)
-        return pools[policy, size, with_index].hits
-
+        return pools[policy, size, with_index]
     need = [cdiv(len(p) + trace_decode_len(r, block_size), block_size)
             for r, p in zip(requests, prompts, strict=True)]
-    replay("lru", sum(need))
-    roomy = pools["lru", sum(need), index].next_unused  # the smallest pool that never evicts
+    never = replay("lru", sum(need))
+    roomy = never.next_unused  # the smallest pool that never evicts
     ratio = (roomy / max(need)) ** (1 / (TRACE_SIZES - 1))
     sizes = sorted({round(max(need) * ratio ** k) for k in range(TRACE_SIZES - 1)} | {roomy}
                    | ({THREE_M} if max(need) < THREE_M < roomy else set()))
-    rate = {(p, s): (replay(p, s) if s < roomy else pools["lru", sum(need), index].hits) / total
+    rate = {(p, s): (replay(p, s) if s < roomy else never).hits / total
             for s in sizes for p in ("lru", "optimal")}  # never evicting, every policy is one
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
     print(f"== trace: {len(requests):,} requests of {name}, {index} index ==")
     print(f"{total:,} full prompt blocks (a {TRACE_ID_TOKENS}-token hash id each; block size "
           f"{block_size} in the replay); a cache")
     print(f"that never forgets hits {ceiling / total:.1%} (the ceiling); the replay on {roomy:,} "
-          f"blocks, which never evicts, {pools['lru', sum(need), index].hits / total:.1%}")
+          f"blocks, which never evicts, {never.hits / total:.1%}")
     print("   pool blocks           tokens      LRU  optimal   LRU/optimal  optimal/ceiling")
     for s in sizes:
         lru, optimal = rate["lru", s], rate["optimal", s]
@@ -2351,11 +2330,10 @@ def demo_trace(path, limit, block_size, index="hash"):
           "blocks")
     center = THREE_M if THREE_M in sizes else knee
     trace_gap([s for s in (center // 2, center, 2 * center) if max(need) <= s < roomy],
-              lambda policy, s: replay(policy, s) / total, center)
+              lambda policy, s: replay(policy, s).hits / total, center)
     print(f"hash chain against radix tree, LRU, {center:,} blocks:")
     for with_index, work in (("hash", "hashes looked up"), ("radix", "child look-ups")):
-        replay("lru", center, with_index)
-        pool = pools["lru", center, with_index]
+        pool = replay("lru", center, with_index)
         print(f"   {with_index:<6} {pool.hits:>9,} hits  {len(pool.index):>7,} index entries at "
               f"the end  {pool.stats.work / pool.stats.prompts:>5.1f} {work} per prompt")
     print("Quoted, Mooncake:")
@@ -2376,7 +2354,6 @@ def trace_gap(sizes, rate, center):
     print("   recovered); lookahead W: evict the block whose next use in the next W prompts is "
           "farthest")
     print("   policy       " + "".join(f"{s:>14,} blocks" for s in sizes))
-
     def recovered(policy, s):
         return (rate(policy, s) - rate("lru", s)) / max(rate("optimal", s) - rate("lru", s), 1e-9)
 
@@ -2416,7 +2393,7 @@ ON_REQUEST = {"bench": demo_bench}  # and trace PATH, starter PART FILE
 
 def knob_problems(b):
     """Every knob a learner may edit, checked once before anything runs, at block size b:
-    (knob, lowest, highest) -> a line for each value outside its range."""
+    (knob, lowest, highest) -> yields a line for each value outside its range."""
     chat = CHAT_SYSTEM_LEN + CHAT_TURNS * (CHAT_QUESTION_LEN + CHAT_ANSWER_LEN)  # tokens
     at_least_1 = ("ACTUAL_LEN", "NUM_REQUESTS", "SYSTEM_LEN", "CHAT_TURNS", "CHAT_CONVERSATIONS",
                   "WAITING", "EVICT_REQUESTS", "EVICT_SEEDS", "NUM_SAMPLES", "BEAM_WIDTHS",
@@ -2433,16 +2410,13 @@ def knob_problems(b):
              ("COMPARABLE", 1, math.inf), ("MAX_FRAGMENTATION", 0.001, 0.25),
              ("SWEEP_BUDGETS", MAX_BLOCK_SIZE, math.inf),
              ("BENCH_POOLS", max(100, cdiv(chat, b)), math.inf), ("BENCH_FULL", 0, 0.99),
-             ("TRACE_SIZES", 2, 8),
-             ("KNEE", 0.01, 1)]
-    problems = []
+             ("TRACE_SIZES", 2, 8), ("KNEE", 0.01, 1)]
     for name, low, high in rules:
         knob = globals()[name]
         for value in knob.values() if isinstance(knob, dict) else knob if isinstance(
                 knob, tuple) else [knob]:
             if not low <= value <= high:
-                problems.append(f"{name} must be in {low}..{high} at block size {b}, got {value!r}")
-    return problems
+                yield f"{name} must be in {low}..{high} at block size {b}, got {value!r}"
 
 
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
@@ -2479,11 +2453,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 def main(argv=None):
     every = {**CORE, **EXTENSIONS, **ON_REQUEST}
+    choices = f"{', '.join(every)}, all, trace PATH, starter PART FILE"
     parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab: the core "
                            "sections, all of them, or the ones named.")
-    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of: "
-                        f"{', '.join(every)}, all, trace PATH, starter PART FILE (default: "
-                        f"{', '.join(CORE)})")
+    parser.add_argument("sections", nargs="*", metavar="SECTION",
+                        help=f"any of: {choices} (default: {', '.join(CORE)})")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
                         help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE})")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
@@ -2503,9 +2477,9 @@ def main(argv=None):
     if (args.seed is not None and args.seed < 0) or (args.requests is not None
                                                       and args.requests < 1):
         parser.error("--seed must be >= 0 and --requests >= 1")
-    problems = knob_problems(args.block_size)
-    if len(problems) > 0:
-        parser.error(f"a knob cannot work: {problems[0]}")
+    problem = next(knob_problems(args.block_size), None)
+    if problem is not None:
+        parser.error(f"a knob cannot work: {problem}")
     trace_options = args.requests is not None or args.index != "hash"
     if (names[0] == "trace" and args.seed is not None) or (names[0] != "trace" and trace_options):
         parser.error("--requests and --index are trace's options, and trace takes no --seed")
@@ -2522,8 +2496,7 @@ def main(argv=None):
     names = [*CORE, *EXTENSIONS] if names == ["all"] else names
     unknown = [name for name in names if name not in every]
     if len(unknown) > 0:
-        parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(every)}, all, "
-                     "trace PATH, starter PART FILE")
+        parser.error(f"unknown section {unknown[0]!r}; choose from {choices}")
     for i, name in enumerate(names):
         print("" if i == 0 else "\n", end="")
         every[name](args.block_size, args.seed)
