@@ -1601,6 +1601,30 @@ def recovery_seconds(stats, block_size, copies, latency_s):
             2 * stats.preempted_blocks * block_copy_seconds(block_size, copies, latency_s))
 
 
+def claims_73(runs, copies):
+    """The paper's three claims of 7.3, scored on recompute runs[seed, block size] at each
+    copy latency: claim -> one bool per (seed, latency) that can test it; and recovery's
+    largest share of the end-to-end time at 16-64."""
+    outcomes, share = {"shape": [], "20%": [], "medium": []}, 0.0
+    preempted = {key: stats for key, stats in runs.items() if stats.preemptions > 0}
+    for s, lat in itertools.product(sorted({s for s, _ in preempted}), COPY_LATENCY_S):
+        ratio, medium = {}, []  # recompute / swap, recovery; end to end, at 16-64
+        for size in sorted(size for seed, size in preempted if seed == s):
+            recompute, swap = recovery_seconds(runs[s, size], size, copies, lat)
+            decode = runs[s, size].steps * DECODE_STEP_S
+            ratio[size] = recompute / swap
+            if 16 <= size <= 64:
+                medium.append((decode + recompute) / (decode + swap))
+                share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
+        if len(ratio) > 1:  # block sizes with preemptions, to compare
+            outcomes["shape"].append(ratio[min(ratio)] < 1 < ratio[max(ratio)])
+        if len(ratio) > 0:
+            outcomes["20%"].append(max(ratio.values()) <= COMPARABLE)
+        if len(medium) > 0:
+            outcomes["medium"].append(all(1 / COMPARABLE <= e <= COMPARABLE for e in medium))
+    return outcomes, share
+
+
 def demo_evict(block_size, seed):
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     requests = preemption_workload(first)
@@ -1637,22 +1661,7 @@ def demo_evict(block_size, seed):
     print(f"3. vs the paper (7.3), over {EVICT_SEEDS} seeds x {len(COPY_LATENCY_S)} copy "
           "latencies, quoted:")
     print(textwrap.fill(f'"{PAPER_73}"', 96, initial_indent="   ", subsequent_indent="   "))
-    outcomes, share = {"shape": [], "20%": [], "medium": []}, 0.0  # claim -> a bool per test
-    for s, lat in itertools.product(range(first, first + EVICT_SEEDS), COPY_LATENCY_S):
-        ratio, medium = {}, []  # recompute / swap, recovery; end to end, at 16-64
-        for size in [size for size in EVICT_SIZES if runs[s, size].preemptions > 0]:
-            recompute, swap = recovery_seconds(runs[s, size], size, copies, lat)
-            decode = runs[s, size].steps * DECODE_STEP_S
-            ratio[size] = recompute / swap
-            if 16 <= size <= 64:
-                medium.append((decode + recompute) / (decode + swap))
-                share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
-        if len(ratio) > 1:  # block sizes with preemptions, to compare
-            outcomes["shape"].append(ratio[min(ratio)] < 1 < ratio[max(ratio)])
-        if len(ratio) > 0:
-            outcomes["20%"].append(max(ratio.values()) <= COMPARABLE)
-        if len(medium) > 0:
-            outcomes["medium"].append(all(1 / COMPARABLE <= e <= COMPARABLE for e in medium))
+    outcomes, share = claims_73(runs, copies)
     for claim, text in (("shape", "small blocks favour recompute, large ones swap (recovery)"),
                         ("20%", f"recompute at most {COMPARABLE}x swap at every size (recovery)"),
                         ("medium", f"within {COMPARABLE}x either way at 16-64 (end to end)")):

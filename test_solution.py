@@ -731,6 +731,25 @@ class TestPart7Preemption:
         assert out.count(" of 8\n") == 3 and "2.01 requests/s" in out
         assert all(f"\n   {size:>5} " in out for size in lab.EVICT_SIZES)
 
+    def test_each_claim_of_7_3_is_scored_on_its_own_quantity(self, lab):
+        def stats(tokens, blocks, steps=1):
+            return lab.PreemptionStats(preemptions=1, recomputed_tokens=tokens,
+                                       preempted_blocks=blocks, steps=steps)
+        runs = {(0, 1): stats(1, 100),          # recompute far cheaper: ratio < 1
+                (0, 32): stats(1000, 10, 10 ** 6),  # decode dominates: comparable end to end
+                (0, 256): stats(10 ** 7, 1),    # swap far cheaper: ratio > 1.2
+                (1, 1): stats(10 ** 7, 1), (1, 256): stats(1, 100),  # the shape reversed,
+                (1, 32): stats(10 ** 7, 1),     # and recovery is all of the time at 32
+                (3, 1): stats(1, 100), (3, 256): stats(1, 100),  # recompute wins everywhere
+                (4, 64): stats(1, 100),         # one size: no shape to test; swap dominates
+                (2, 16): lab.PreemptionStats()}  # no preemption: tests nothing
+        outcomes, share = lab.claims_73(runs, 80)
+        k = len(lab.COPY_LATENCY_S)  # each seed at every latency, in the seeds' order
+        assert outcomes == {"shape": [True] * k + [False] * 2 * k,  # seeds 0, 1, 3
+                            "20%": [False] * 2 * k + [True] * 2 * k,  # 0, 1, 3, 4
+                            "medium": [True] * k + [False] * 2 * k}  # 0, 1, 4
+        assert share > 0.99
+
     def test_a_claim_no_run_can_test_is_called_untested(self, lab, capsys, monkeypatch):
         monkeypatch.setattr(lab.module, "EVICT_SIZES", (1, 256))  # none of 16-64
         lab.demo_evict(16, None)
