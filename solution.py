@@ -1090,8 +1090,6 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
-        if policy == "optimal":
-            raise ValueError("policy 'optimal' needs the future: replay_trace builds it")
         self.policy = pick(POLICIES, policy, "policy", LRU)
         if getattr(self.policy, "future", {}) is None:  # Part 11's Lookahead, without one
             raise ValueError("a look-ahead policy needs its future: replay_trace builds it")
