@@ -807,12 +807,12 @@ def common_prefix(a, b):
 
 
 class RadixNode:
-    def __init__(self, parent, start, token_ids, blocks, refs):
+    def __init__(self, parent, start, token_ids, blocks, holders):
         self.parent, self.start = parent, start  # start: the position of its first block
         self.tokens = list(token_ids)  # block_size per block (a partial last block: fewer)
-        self.blocks = blocks   # the block offered at each position (None: a hole)
-        self.refs = refs       # blocks in use or cached whose tokens end at each position
-        self.children = {}     # first block's tokens (a tuple) -> node
+        self.blocks = blocks    # the block offered at each position (None: a hole)
+        self.holders = holders  # a set a position: blocks in use or cached with its tokens
+        self.children = {}      # first block's tokens (a tuple) -> node
 
 
 class RadixIndex:
@@ -846,15 +846,13 @@ class RadixIndex:
     def locate(self, block):
         """(node, index in node.blocks) of block's place."""
         node, position = self.place[block]
-        while position < node.start:  # the node was split since: its head is above it
-            node = node.parent
         return node, position - node.start
 
     def match(self, token_ids):
         """(cached blocks of the prompt's leading blocks, tokens they hold, child look-ups)."""
         size, node, i, blocks, visited = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
-            chunk = token_ids[len(blocks) * size:(len(blocks) + 1) * size]
+            chunk = list(token_ids[len(blocks) * size:(len(blocks) + 1) * size])
             if i == len(node.blocks):  # at the end of a node: the child that starts so
                 visited += 1
                 if tuple(chunk) not in node.children:
@@ -895,9 +893,9 @@ class RadixIndex:
         if node is not self.root and len(node.children) == 0 and len(token_ids) == size:
             node.tokens += token_ids  # a leaf grows by a block
             node.blocks.append(block)
-            node.refs.append(1)
+            node.holders.append({block})
         else:
-            node.children[tuple(token_ids)] = RadixNode(node, start, token_ids, [block], [1])
+            node.children[tuple(token_ids)] = RadixNode(node, start, token_ids, [block], [{block}])
             node = node.children[tuple(token_ids)]
             self.nodes += 1
         self.place[block] = (node, start)
@@ -905,7 +903,7 @@ class RadixIndex:
 
     def join(self, node, i, block):
         """block holds the tokens of an existing place: offered there unless another is."""
-        node.refs[i] += 1
+        node.holders[i].add(block)
         self.place[block] = (node, node.start + i)
         if node.blocks[i] is not None:
             return False
@@ -913,14 +911,19 @@ class RadixIndex:
         return True
 
     def split(self, node, k):
-        """Cut node before its k-th block; the new node above it keeps the first k."""
-        size = self.block_size
+        """Cut node before its k-th block; the new node above it keeps the first k, and the
+        places of their holders. O(the node's blocks and holders), as building it was."""
+        size, holders = self.block_size, node.holders
         head = RadixNode(node.parent, node.start, node.tokens[:k * size], node.blocks[:k],
-                         node.refs[:k])
+                         holders[:k])
         node.parent.children[tuple(node.tokens[:size])] = head
-        node.tokens, node.blocks, node.refs = node.tokens[k * size:], node.blocks[k:], node.refs[k:]
+        node.tokens, node.blocks, node.holders = node.tokens[k * size:], node.blocks[k:], \
+            holders[k:]
         node.start, node.parent = node.start + k, head
         head.children[tuple(node.tokens[:size])] = node
+        for position, blocks in enumerate(head.holders, head.start):
+            for block in blocks:
+                self.place[block] = (head, position)
         self.nodes += 1
         return head
 
@@ -940,16 +943,16 @@ class RadixIndex:
             return
         node, i = self.locate(block)
         del self.place[block]
-        node.refs[i] -= 1
+        node.holders[i].discard(block)
         if node.blocks[i] == block:
             node.blocks[i] = None
         while node is not self.root and len(node.children) == 0:
             key = tuple(node.tokens[:self.block_size])
-            while len(node.refs) > 0 and node.refs[-1] == 0:
-                node.refs.pop()
+            while len(node.holders) > 0 and len(node.holders[-1]) == 0:
+                node.holders.pop()
                 node.blocks.pop()
                 del node.tokens[len(node.blocks) * self.block_size:]
-            if len(node.refs) > 0:
+            if len(node.holders) > 0:
                 break
             del node.parent.children[key]
             self.nodes -= 1

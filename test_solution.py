@@ -573,6 +573,15 @@ class TestPart6Cache:
         assert pool.hits == 1 and pool.index.match([1, 2, 3, 4, 9, 9])[:2] == (
             pool.index.match([1, 2, 3, 4])[0], 4)
 
+    def test_a_split_moves_the_places_above_it_so_finding_a_block_walks_nowhere(self, lab):
+        pool = caching(lab, 64, 1, index="radix")
+        lab.Sequence("a", pool, range(20))
+        for k in range(19, 0, -1):  # each splits the run 0..19 once more, nearer its start
+            lab.Sequence(k, pool, [*range(k), 100 + k]).free()
+        assert len(pool.index) == 39  # 0 | 1 | ... | 19, and a leaf beside each but the first
+        for block, (node, position) in pool.index.place.items():  # in its node, not below it
+            assert node.start <= position < node.start + len(node.blocks)
+
     def test_the_radix_tree_evicts_a_leaf_before_its_parent(self, lab):
         pool = caching(lab, 4, 2, index="radix")
         lab.Sequence("a", pool, [1, 2, 3, 4]).free()
