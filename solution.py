@@ -911,8 +911,8 @@ class RadixIndex:
         return True
 
     def split(self, node, k):
-        """Cut node before its k-th block; the new node above it keeps the first k, and the
-        places of their holders. O(the node's blocks and holders), as building it was."""
+        """Cut node before its k-th block; the new node above it keeps the first k and their
+        holders' places: O(k and those holders), the k blocks the inserting prompt matched."""
         size, holders = self.block_size, node.holders
         head = RadixNode(node.parent, node.start, node.tokens[:k * size], node.blocks[:k],
                          holders[:k])
