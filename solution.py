@@ -1465,7 +1465,7 @@ class Scheduler:
         """Serve requests until every one finishes; return req_id -> its tokens. Once per
         scheduler. Refused up front, so that nothing changes and the loop below ends: a
         request that is not Request(int, list/tuple/range of token ids, int >= 0, int >= 0),
-        a req_id seen before, a request that could never fit the GPU pool."""
+        a req_id seen before, a request that could never fit the GPU pool's free blocks."""
         requests, seen = list(requests), set()
         if self.stats.steps > 0:
             raise ValueError("this scheduler has run: make a new one")
@@ -1480,8 +1480,9 @@ class Scheduler:
                 raise ValueError(f"request {request.req_id} is there twice")
             seen.add(request.req_id)
             if cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size) \
-                    + self.margin > self.gpu.num_blocks:
-                raise ValueError(f"request {request.req_id} can never fit the GPU pool")
+                    + self.margin > self.gpu.num_free:
+                raise ValueError(f"request {request.req_id} can never fit the GPU pool's free "
+                                 "blocks")
         pending = sorted(requests, key=lambda r: (-r.arrival, -r.req_id))  # the next one last
         waiting, step = [], 0
         while len(pending) + len(waiting) + len(self.running) + len(self.preempted) > 0:
@@ -1489,7 +1490,8 @@ class Scheduler:
                 step = max(step, pending[-1].arrival)  # idle until the next arrival: skip
             while len(pending) > 0 and pending[-1].arrival <= step:
                 waiting.append(pending.pop())
-            for req_id in sorted(self.preempted):  # oldest first; nobody overtakes them
+            oldest_first = sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r))
+            for req_id in oldest_first:  # nobody overtakes them
                 if not self._fits(self.preempted[req_id][1]):
                     break
                 self._resume(req_id, step)
@@ -1530,7 +1532,8 @@ class Scheduler:
                 break
             except OutOfBlocksError:  # run's check leaves someone else to preempt
                 self._preempt(min((r for r in self.running if r != req_id),
-                                  key=lambda r: (self.last_step[r], -r)))
+                                  key=lambda r: (self.last_step[r], -self.running[r][1].arrival,
+                                                 -r)))
         self._run(request, seq, step)
 
     def _preempt(self, req_id):
@@ -1633,12 +1636,12 @@ def demo_evict(block_size, seed):
           f"{GPU_KV_TOKENS}-token GPU pool) ==")
     print(f"cost model, OPT-13B on an A100-40GB (sources in the code): swap copies a block in "
           f"{copies} pieces")
-    print(f"   (each layer's K and V, as vLLM v0), {COPY_LATENCY_S[0] * 1e6:g}-"
-          f"{COPY_LATENCY_S[1] * 1e6:g} us a copy, {PCIE_BYTES_PER_S / 1e9:.1f} GB/s; recompute "
+    print(f"   (each layer's K and V, as vLLM v0), {min(COPY_LATENCY_S) * 1e6:g}-"
+          f"{max(COPY_LATENCY_S) * 1e6:g} us a copy, {PCIE_BYTES_PER_S / 1e9:.1f} GB/s; recompute "
           f"{PREFILL_TOKENS_PER_S:,.0f} tokens/s (peak);")
     print(f"   a decode step {DECODE_STEP_S * 1e3:.1f} ms (its floor)")
-    print(f"1. block size {block_size}, a {HOST_KV_TOKENS}-token host pool; every request ends "
-          "with exactly its tokens")
+    print(f"1. block size {block_size}, a {HOST_KV_TOKENS // block_size * block_size}-token host "
+          "pool; every request ends with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps")
     for policy in ("recompute", "swap"):
         st = run_policy(policy, block_size, requests, HOST_KV_TOKENS)
@@ -1928,7 +1931,7 @@ def demo_sweep(block_size, seed):
                     print(f"   {size:>5}  {waste:>13.1%}  {entries:>11.1f}  "
                           f"{table_bytes / 1024:>10.1f}  {fit:>5}")
     print(f"sweet spot: grow the block until fragmentation would reach a budget; "
-          f"{MAX_FRAGMENTATION:.0%} is ours, not the paper's")
+          f"{MAX_FRAGMENTATION * 100:g}% is ours, not the paper's")
     print((f"   over {SWEEP_SEEDS} seeds    " + "".join(f"budget {budget:<14.1%}"
                                                    for budget in budgets)).rstrip())
     for name in (ALPACA[0], SHAREGPT[0]):
@@ -1939,8 +1942,8 @@ def demo_sweep(block_size, seed):
     for name, paper in (("ShareGPT", range(16, 129)), ("Alpaca", range(16, 33))):
         found = spots[name, MAX_FRAGMENTATION]
         inside = sum(s in paper for s in found)
-        print(f"   ours at {MAX_FRAGMENTATION:.0%}, {name}-like: {inside} of {len(found)} sweet "
-              f"spots inside {paper.start}-{paper.stop - 1}")
+        print(f"   ours at {MAX_FRAGMENTATION * 100:g}%, {name}-like: {inside} of {len(found)} "
+              f"sweet spots inside {paper.start}-{paper.stop - 1}")
         below = sum(s is None or s < paper.start for s in found)
         if inside < len(found):
             print(f"   outside: {below} below, {len(found) - inside - below} above; our sweet "
@@ -2114,8 +2117,9 @@ class TraceRequest:
 
 def load_trace(path, limit=None):
     """The first limit requests (all if None) of a Mooncake-format JSONL file. ValueError
-    naming the line for anything malformed; OSError if the file cannot be read."""
-    requests = []
+    naming the line for anything malformed, or for a hash id after two different ids (an id
+    stands for its whole prefix); OSError if the file cannot be read."""
+    requests, before = [], {}  # hash id -> the id before it (None: a prompt's first)
     with open(path, encoding="utf-8") as lines:
         try:
             for number, line in enumerate(lines, 1):
@@ -2123,6 +2127,10 @@ def load_trace(path, limit=None):
                     break
                 if line.strip() != "":
                     requests.append(parse_trace_line(line, f"{path}:{number}"))
+                    for previous, h in zip([None, *requests[-1].hash_ids], requests[-1].hash_ids):
+                        if before.setdefault(h, previous) != previous:
+                            raise ValueError(f"{path}:{number}: hash id {h} ends another "
+                                             "prefix than before (an id is its whole prefix)")
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not UTF-8 text, so not a Mooncake trace") from None
     return requests
@@ -2133,6 +2141,8 @@ def parse_trace_line(line, where):
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deep for a request") from None
     if not isinstance(record, dict) or any(field not in record for field in TRACE_FIELDS):
         raise ValueError(f"{where}: a request needs the fields {', '.join(TRACE_FIELDS)}")
     timestamp, input_length, output_length, hash_ids = (record[f] for f in TRACE_FIELDS)
@@ -2334,10 +2344,11 @@ def demo_trace(path, limit, block_size, index="hash"):
     for share in (0.5, KNEE):  # the pool that never evicts reaches the ceiling
         lru, optimal = (min(s for s in sizes if rate[p, s] * total >= share * ceiling)
                         for p in ("lru", "optimal"))
-        print(f"   {share:.0%} of the ceiling: LRU at {lru:,} blocks, the optimum at {optimal:,}")
+        print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
+              f"optimum's {optimal:,}")
     knee = min(s for s in sizes if rate["optimal", s] * total >= KNEE * ceiling)
-    print(f"   the knee, where the optimum first reaches {KNEE:.0%} of the ceiling: {knee:,} "
-          "blocks")
+    print(f"   the knee, the first pool here where the optimum reaches {KNEE:.0%} of the ceiling: "
+          f"{knee:,} blocks")
     center = THREE_M if THREE_M in sizes else knee
     trace_gap([s for s in (center // 2, center, 2 * center) if max(need) <= s < roomy],
               lambda policy, s: replay(policy, s).hits / total, center)
@@ -2409,13 +2420,17 @@ def knob_problems(b):
                   "WAITING", "EVICT_REQUESTS", "EVICT_SEEDS", "NUM_SAMPLES", "BEAM_WIDTHS",
                   "SHARING_SEEDS", "SHARING_REQUESTS", "SWEEP_SYSTEM_LEN", "SWEEP_SEEDS",
                   "SWEEP_REQUESTS", "BENCH_REPEATS", "WINDOWS", "TABLE_ENTRY_BYTES")
-    at_least_0 = ("USER_LEN", "CHAT_SYSTEM_LEN", "CHAT_QUESTION_LEN", "CHAT_ANSWER_LEN",
-                  "HOST_KV_TOKENS")
+    at_least_0 = ("USER_LEN", "CHAT_SYSTEM_LEN", "CHAT_QUESTION_LEN", "CHAT_ANSWER_LEN")
     pool = b * max(cdiv(MAX_LEN, b), NUM_REQUESTS * cdiv(SYSTEM_LEN + USER_LEN, b))  # tokens
+
+    def fits(s):  # the fewest GPU blocks a request of MAX_SEQ_LEN fits in, with the margin
+        return cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99)
+    gpu = max(s * fits(s) for s in (b, *EVICT_SIZES) if s >= 1)  # tokens, at every size
     rules = [*((name, 1, math.inf) for name in at_least_1),
              *((name, 0, math.inf) for name in at_least_0), ("MAX_LEN", ACTUAL_LEN, math.inf),
              ("POOL_TOKENS", pool, math.inf), ("CACHE_POOLS", b * cdiv(chat, b), math.inf),
-             ("GPU_KV_TOKENS", 2 * MAX_SEQ_LEN, math.inf),
+             ("MAX_SEQ_LEN", 2, math.inf), ("GPU_KV_TOKENS", gpu, math.inf),
+             ("HOST_KV_TOKENS", MAX_BLOCK_SIZE, math.inf),
              ("EVICT_SIZES", 1, MAX_BLOCK_SIZE), ("SWEEP_SIZES", 1, MAX_BLOCK_SIZE),
              ("COMPARABLE", 1, math.inf), ("MAX_FRAGMENTATION", 0.001, 0.25),
              ("SWEEP_BUDGETS", MAX_BLOCK_SIZE, math.inf),
@@ -2479,9 +2494,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     names = args.sections or list(CORE)
     if names[0] == "starter":  # before any check: a starter's own parts may be empty
-        if len(names) != 3 or names[1] not in [str(part) for part in range(1, 12)]:
-            parser.error("starter PART FILE: PART is 1..11, FILE where to write the lab")
-        return starter(int(names[1]), names[2])
+        options = (args.block_size, args.seed, args.requests, args.index)
+        if len(names) != 3 or names[1] not in [str(part) for part in range(1, 12)] \
+                or options != (BLOCK_SIZE, None, None, "hash"):
+            parser.error("starter PART FILE: PART is 1..11, FILE where to write the lab; no "
+                         "options")
+        try:
+            return starter(int(names[1]), names[2])
+        except OSError as error:  # FILE in a missing folder, or a folder
+            parser.error(str(error))
     if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
         parser.error(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
     if (args.seed is not None and args.seed < 0) or (args.requests is not None

@@ -729,6 +729,25 @@ class TestPart7Preemption:
         scheduler.run([lab.Request(0, [1], 1, 10 ** 9)])  # would loop 10^9 steps otherwise
         assert scheduler.stats.steps == 10 ** 9 + 1
 
+    def test_the_scheduler_refuses_a_request_the_pools_free_blocks_cannot_hold(self, lab):
+        gpu = lab.BlockAllocator(10, 1)
+        held = gpu.allocate_many(3)  # blocks someone else holds: 7 free, 1 kept as margin
+        scheduler = lab.Scheduler(gpu, None, "recompute")
+        with pytest.raises(ValueError):
+            scheduler.run([lab.Request(0, [1] * 8, 0, 0)])  # looped forever before
+        assert gpu.num_free == 7 and scheduler.run([lab.Request(0, [1] * 3, 3, 0)]) == {
+            0: [1, 1, 1, *(lab.next_token(0, p) for p in range(3, 6))]}
+        assert gpu.num_free == 7 and all(gpu.refcount(block) == 1 for block in held)
+
+    def test_the_victim_among_equally_idle_requests_is_the_latest_arrival(self, lab):
+        scheduler = lab.Scheduler(lab.BlockAllocator(9, 1), None, "recompute")
+        preempted = []
+        real = scheduler._preempt
+        scheduler._preempt = lambda req_id: (preempted.append(req_id), real(req_id))
+        scheduler.run([lab.Request(6, [1], 4, 0), lab.Request(8, [1], 3, 2),
+                       lab.Request(5, [1] * 3, 3, 2)])  # req_id order is not arrival order
+        assert preempted[0] == 5  # 6 and 5 were stepped last together; 5 arrived later
+
     def test_max_tokens_zero_finishes_with_its_prompt(self, lab):
         finished = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute").run(
             self.requests(lab, [(3, 0)]))
@@ -907,7 +926,10 @@ class TestPart11Trace:
         ("not json", ":2:"), ('{"timestamp": 0}', ":2:"),
         ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', ":2:"),
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', ":2:"),
-        ('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["a"]}', ":2:")])
+        ('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["a"]}', ":2:"),
+        pytest.param("[" * 100_000, ":2:", id="nested too deep for json"),
+        ('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [2, 1]}',
+         ":2:")])  # id 1 came first before: an id stands for its whole prefix
     def test_a_malformed_trace_line_is_named_with_exit_2(self, lab, tmp_path, capsys, line, where):
         path = tmp_path / "t.jsonl"
         good = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}'
@@ -963,7 +985,10 @@ class TestCommandLine:
                                       ["--seed", "-1"], ["nope"], ["trace"],
                                       ["starter", "12", "f.py"], ["--index", "tree"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
-                                      ["trace", "t.jsonl", "--seed", "1"]])
+                                      ["trace", "t.jsonl", "--seed", "1"],
+                                      ["starter", "1", "f.py", "--block-size", "8"],
+                                      ["starter", "1", "/no/such/folder/f.py"],
+                                      ["starter", "1", "."]])
     def test_bad_options_exit_2_with_one_line(self, lab, capsys, argv):
         with pytest.raises(SystemExit) as exit_:
             lab.main(argv)
@@ -972,7 +997,9 @@ class TestCommandLine:
     @pytest.mark.parametrize("knob, value", [("MAX_LEN", 100), ("POOL_TOKENS", 100),
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
                                              ("KNEE", 0), ("SHARING_REQUESTS", {("a", "b"): 0}),
-                                             ("SWEEP_BUDGETS", {"a": 8}), ("BENCH_POOLS", (10,))])
+                                             ("SWEEP_BUDGETS", {"a": 8}), ("BENCH_POOLS", (10,)),
+                                             ("MAX_SEQ_LEN", 1), ("GPU_KV_TOKENS", 2000),
+                                             ("HOST_KV_TOKENS", 0)])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, lab, capsys,
                                                                    monkeypatch, knob, value):
         monkeypatch.setattr(lab.module, knob, value)
