@@ -536,14 +536,14 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
     """Where each sharing bug shows: a holds a full block and a partly full one; b shares
     both but a's last token; b appends (a copy); a is freed (b keeps the shared block); c
     arrives. check_invariants after each step; done, if given, gets each step's name first."""
-    pool, live = pool_class(8, size), {}
+    pool, live, done = pool_class(8, size), {}, [] if done is None else done
     steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
              "a.extend": lambda: live["a"].extend([size, size + 1]),
              "b": lambda: live.update(b=share_prefix(live["a"], "b", size + 1)),
              "b.append": lambda: live["b"].append(99), "a.free": lambda: live.pop("a").free(),
              "c": lambda: live.update(c=seq_class("c", pool, range(100, 100 + size + 2)))}
     for what, step in steps.items():
-        (done if done is not None else []).append(what)
+        done.append(what)
         step()
         check_invariants(pool, live.values())
 
