@@ -423,7 +423,6 @@ def audit(pool):
     expect(len(set(free)) == len(free) == pool.num_free and pool.ref_cnt.keys().isdisjoint(free),
            "free list: a block is listed free twice, or while in use, or the free and used "
            "counts do not add up")
-    expect(min(pool.ref_cnt.values(), default=1) >= 1, "a block in use has ref-count < 1")
 
 
 def check_invariants(allocator, sequences):
@@ -431,9 +430,7 @@ def check_invariants(allocator, sequences):
     every live sequence on allocator, or their references look like leaks."""
     audit(allocator)
     references = Counter()
-    for seq in sequences:
-        if seq.is_freed:
-            continue
+    for seq in (seq for seq in sequences if not seq.is_freed):
         need = cdiv(len(seq.tokens), allocator.block_size)
         expect(len(seq.block_table) == need, f"block count: sequence {seq.seq_id!r} holds "
                f"{plural(len(seq.block_table), 'block')} for {plural(len(seq), 'token')}, "
@@ -449,8 +446,7 @@ def check_invariants(allocator, sequences):
 
 
 def snapshot(allocator, sequences):
-    """Every field of the pool and the sequences, serialized: equal before and after a
-    call that raised, or the call changed something."""
+    """Every field of the pool and the sequences, serialized: a refused call leaves it equal."""
     return pickle.dumps([vars(allocator)] + [{name: value for name, value in vars(seq).items()
                                               if name != "allocator"} for seq in sequences])
 
@@ -461,11 +457,10 @@ def random_tokens(rng, n, vocab=32_000):
 
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
-    """num_ops random operations against a plain-list model (seq_id -> its tokens), every
-    invariant checked after each, a refused one (OutOfBlocksError) changing nothing; then
-    the pool must be whole. A small vocab and prompts cut from earlier sequences make
-    shared and cached prefixes common; "raw share" takes a reference with pool.share
-    outside any sequence, appends, drops it. Returns a Counter of what happened."""
+    """num_ops random operations against a plain-list model (seq_id -> its tokens), invariants
+    checked after each, a refused one (OutOfBlocksError) changing nothing, then the pool whole;
+    returns a Counter of what happened. A small vocab and prompts cut from earlier ones make
+    shared and cached prefixes common; "raw share" takes a pool.share, appends, drops it."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     for step in range(num_ops):
@@ -533,9 +528,9 @@ def check_block_boundary(block_size):
 
 
 def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=None):
-    """Where each sharing bug shows: a holds a full block and a partly full one; b shares
-    both but a's last token; b appends (a copy); a is freed (b keeps the shared block); c
-    arrives. check_invariants after each step; done, if given, gets each step's name first."""
+    """Where each sharing bug shows: a holds a full block and a partly full one; b shares both
+    but a's last token; b appends (a copy); a is freed (b keeps the shared block); c arrives.
+    check_invariants after each step, whose name goes to done (if given) first. Returns a label."""
     pool, live, done = pool_class(8, size), {}, [] if done is None else done
     steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
              "a.extend": lambda: live["a"].extend([size, size + 1]),
@@ -546,19 +541,13 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
         done.append(what)
         step()
         check_invariants(pool, live.values())
-
-
-def check_sharing(block_size):
-    """Shared blocks count once, a write into one copies it, freeing one keeps it."""
-    size = max(3, block_size)  # a block of 1 or 2 tokens cannot hold the scenario
-    sharing_scenario(size)
     return f"sharing: counted once, copied before a write, kept while held (size {size})"
 
 
 def run_checks(block_size, seed):
     print("== correctness checks ==")
-    for check in (check_block_boundary, check_sharing):
-        print(f"{check(block_size):<78} ok")  # a check that fails raises, naming what broke
+    print(f"{check_block_boundary(block_size):<78} ok")  # a failing check raises, naming what broke
+    print(f"{sharing_scenario(max(3, block_size)):<78} ok")  # size 1 or 2 cannot hold it
     sizes = sorted({1, 3, block_size})
     for i, size in enumerate(sizes):
         fuzz(BlockAllocator(12, size), random.Random(i + (0 if seed is None else seed)), 100)
@@ -572,9 +561,8 @@ def block_map(allocator, sequences):
                                              for block in seq.block_table) for seq in sequences]
 
 
-# The four classic pitfalls, each one line of the code above and the line that commits it
-# (README's "Break it" asks you to make the same edits in your own copy), each caught in
-# sharing_scenario.
+# The four classic pitfalls: a line of the code above and the line that commits it (README's
+# "Break it" has you make the same edits in your own copy), each caught in sharing_scenario.
 PITFALLS = [
     ("freeing a shared block", BlockAllocator.free, "if self.ref_cnt[block] == 0:", "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
@@ -607,8 +595,7 @@ def demo_pitfalls(block_size, seed):
     for number, (name, method, line, bug) in enumerate(PITFALLS, 1):
         print(f"{number}. {name}, in {method.__qualname__}:\n   {line!r} -> {bug!r}")
         broken, done, caught = commit_bug(method, line, bug), [], "NOT CAUGHT"
-        classes = (broken, Sequence) if issubclass(broken, BlockAllocator) else (BlockAllocator,
-                                                                                   broken)
+        classes = [broken if issubclass(broken, cls) else cls for cls in (BlockAllocator, Sequence)]
         try:
             sharing_scenario(size, *classes, done)
         except (AssertionError, OutOfBlocksError, ValueError) as error:
@@ -630,13 +617,11 @@ USER_LEN = 40         # tokens of each request's own message
 
 def admit_until_full(admit):
     """Call admit(i) for i = 0, 1, ... until the pool refuses; return how many fit."""
-    count = 0
-    while True:
+    for count in itertools.count():
         try:
             admit(count)
         except OutOfBlocksError:
             return count
-        count += 1
 
 
 def reserve_max_len(pool, tokens, max_len):
@@ -707,8 +692,7 @@ def demo_sharing(block_size, seed):
           f"{'forked block' if b.block_table[-1] != a.block_table[-1] else 'WROTE IN PLACE'}; "
           "refcounts correct")
     print(f"  a holds {n} tokens; b = a.fork('b'): both tables point at the same blocks "
-          "[block:ref-count]")
-    print("\n".join(before))
+          "[block:ref-count]", *before, sep="\n")
     print(f"  b.append(99) must not write into block {a.block_table[-1]}, which a still reads: "
           f"b copies it to block {b.block_table[-1]} first" if n % block_size > 0 else
           "  every block is full: b.append(99) takes a new block "
@@ -913,13 +897,12 @@ class RadixIndex:
     def split(self, node, k):
         """Cut node before its k-th block; the new node above it keeps the first k and their
         holders' places: O(k and those holders), the k blocks the inserting prompt matched."""
-        size, holders = self.block_size, node.holders
+        size = self.block_size
         head = RadixNode(node.parent, node.start, node.tokens[:k * size], node.blocks[:k],
-                         holders[:k])
+                         node.holders[:k])
         node.parent.children[tuple(node.tokens[:size])] = head
-        node.tokens, node.blocks, node.holders = node.tokens[k * size:], node.blocks[k:], \
-            holders[k:]
-        node.start, node.parent = node.start + k, head
+        node.tokens, node.blocks = node.tokens[k * size:], node.blocks[k:]
+        node.holders, node.start, node.parent = node.holders[k:], node.start + k, head
         head.children[tuple(node.tokens[:size])] = node
         for position, blocks in enumerate(head.holders, head.start):
             for block in blocks:
@@ -995,11 +978,10 @@ class FIFO(LRU):
 
     def __init__(self):
         super().__init__()
-        self.since, self.clock, self.heap = {}, 0, []  # block -> when it was cached
+        self.since, self.clock, self.heap = {}, itertools.count(), []  # block -> when cached
 
     def cached(self, block, token_ids):
-        self.since[block] = self.clock
-        self.clock += 1
+        self.since[block] = next(self.clock)
 
     def freed(self, block, now):
         super().freed(block, now)
@@ -1127,9 +1109,8 @@ class PrefixCachingAllocator(BlockAllocator):
         self.ensure_free(cdiv(len(token_ids), size) - full + len(revived))  # check, then act
         for block in revived:
             self.policy.hit(block)
-            ref_cnt[block] = 0
         for block in blocks[:full]:
-            ref_cnt[block] += 1
+            ref_cnt[block] = ref_cnt.get(block, 0) + 1  # a revived block had no ref-count
         if reused % size > 0:  # the match ends inside a block: a private copy of it
             blocks[full] = self.copy_block(blocks[full])
         self.stats.hits += full
@@ -1179,8 +1160,7 @@ class PrefixCachingAllocator(BlockAllocator):
     def allocate(self):
         """A free block: blocks no cache entry will miss go first (NOTE: vLLM keeps both in
         one queue and pops its head); when none is left, the policy's victim."""
-        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks \
-                and len(self.policy) > 0:
+        if len(self.policy) > 0 and self.num_free == len(self.policy):  # only evictable left
             block = self.policy.victim(self.stats.prompts)
             self.index.forget(block)
             self.stats.evictions += 1
@@ -1304,15 +1284,14 @@ def cache_chained_hashes(block_size):
     x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
     a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
     chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
-    hits = pool.hits
-    c = Sequence("c", pool, x + y + [7])
+    c = Sequence("c", pool, x + y + [7])  # a and b hit nothing: every hit is c's
     print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
     print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
           "block cache would give b a's KV")
     print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
           f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
     same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
-    print(f"   c = X+Y+1 token: {plural(pool.hits - hits, 'hit')}, {c.block_table[:2]}: {same}")
+    print(f"   c = X+Y+1 token: {plural(pool.hits, 'hit')}, {c.block_table[:2]}: {same}")
 
 
 def cache_token_level(seed):
@@ -1359,10 +1338,9 @@ def cache_aware_order(block_size, stream):
                 serve(pool, batch)
             results[order, name] = (pool.hits, pool.evictions)
             print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.evictions:>9}")
-    (hits, evicted), (lpm_hits, lpm_evicted) = results["arrival", "hash"], results[
-        "longest prefix", "hash"]
-    print(f"   longest prefix first, against arrival order (hash): {hits} -> {lpm_hits} hits, "
-          f"{evicted} -> {lpm_evicted} evictions")
+    arrival, lpm = results["arrival", "hash"], results["longest prefix", "hash"]
+    print(f"   longest prefix first, against arrival order (hash): {arrival[0]} -> {lpm[0]} hits, "
+          f"{arrival[1]} -> {lpm[1]} evictions")
     return results
 
 
@@ -1388,12 +1366,7 @@ PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8
 COPY_LATENCY_S = (5e-6, 7e-6)
 PREFILL_TOKENS_PER_S = 312e12 / (2 * PARAMETERS)
 DECODE_STEP_S = 26e9 / 1555e9
-
-
-def block_copy_seconds(block_size, copies_per_block, latency_s):
-    """Moving one block between host and GPU: a fixed cost per copy, then the bytes."""
-    kv_bytes_per_token = 2 * NUM_LAYERS * HIDDEN_SIZE * 2
-    return copies_per_block * latency_s + block_size * kv_bytes_per_token / PCIE_BYTES_PER_S
+KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * HIDDEN_SIZE * 2
 
 
 @dataclass
@@ -1458,7 +1431,7 @@ class Scheduler:
             raise ValueError("swap needs a host pool of the GPU pool's block size")
         self.gpu, self.host, self.policy = gpu, host, policy
         self.margin = max(1, gpu.num_blocks // 100)
-        self.running, self.last_step, self.preempted, self.finished = {}, {}, {}, {}
+        self.running, self.preempted, self.finished = {}, {}, {}  # running: seq, request, last step
         self.stats = PreemptionStats()
 
     def run(self, requests):
@@ -1479,24 +1452,21 @@ class Scheduler:
             if request.req_id in seen:
                 raise ValueError(f"request {request.req_id} is there twice")
             seen.add(request.req_id)
-            if cdiv(len(request.prompt) + request.max_tokens, self.gpu.block_size) \
-                    + self.margin > self.gpu.num_free:
+            if not self._fits(len(request.prompt) + request.max_tokens):  # or it never ends
                 raise ValueError(f"request {request.req_id} can never fit the GPU pool's free "
                                  "blocks")
-        pending = sorted(requests, key=lambda r: (-r.arrival, -r.req_id))  # the next one last
-        waiting, step = [], 0
-        while len(pending) + len(waiting) + len(self.running) + len(self.preempted) > 0:
-            if len(waiting) + len(self.running) + len(self.preempted) == 0:
-                step = max(step, pending[-1].arrival)  # idle until the next arrival: skip
-            while len(pending) > 0 and pending[-1].arrival <= step:
-                waiting.append(pending.pop())
+        queue, step = sorted(requests, key=lambda r: (r.arrival, r.req_id)), 0  # not yet admitted
+        while len(queue) + len(self.running) + len(self.preempted) > 0:
+            if len(self.running) + len(self.preempted) == 0:
+                step = max(step, queue[0].arrival)  # idle until the next arrival: skip
             oldest_first = sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r))
             for req_id in oldest_first:  # nobody overtakes them
-                if not self._fits(self.preempted[req_id][1]):
+                if not self._fits(len(self.preempted[req_id][1])):
                     break
                 self._resume(req_id, step)
-            while len(self.preempted) == 0 and len(waiting) > 0 and self._fits(waiting[0].prompt):
-                request = waiting.pop(0)
+            while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
+                    and self._fits(len(queue[0].prompt)):
+                request = queue.pop(0)
                 self._run(request, Sequence(request.req_id, self.gpu, request.prompt), step)
             for req_id in sorted(self.running):
                 if req_id in self.running:  # not preempted earlier in this step
@@ -1505,15 +1475,15 @@ class Scheduler:
         self.stats.steps = step
         return self.finished
 
-    def _fits(self, tokens):
-        return cdiv(len(tokens), self.gpu.block_size) + self.margin <= self.gpu.num_free
+    def _fits(self, num_tokens):
+        return cdiv(num_tokens, self.gpu.block_size) + self.margin <= self.gpu.num_free
 
     def _run(self, request, seq, step):
-        self.running[request.req_id], self.last_step[request.req_id] = (seq, request), step
+        self.running[request.req_id] = (seq, request, step)
         if len(seq) == len(request.prompt) + request.max_tokens:  # done
             self.finished[request.req_id] = seq.read()
             seq.free()
-            del self.running[request.req_id], self.last_step[request.req_id]
+            del self.running[request.req_id]
 
     def _resume(self, req_id, step):
         request, tokens, host_blocks = self.preempted.pop(req_id)
@@ -1525,20 +1495,15 @@ class Scheduler:
             self._run(request, swap_in(req_id, tokens, host_blocks, self.host, self.gpu), step)
 
     def _decode(self, req_id, step):
-        seq, request = self.running[req_id]
-        while True:
-            try:
-                seq.append(next_token(req_id, len(seq)))
-                break
-            except OutOfBlocksError:  # run's check leaves someone else to preempt
-                self._preempt(min((r for r in self.running if r != req_id),
-                                  key=lambda r: (self.last_step[r], -self.running[r][1].arrival,
-                                                 -r)))
+        seq, request, _ = self.running[req_id]
+        while len(seq) % self.gpu.block_size == 0 and self.gpu.num_free == 0:  # a full last block
+            self._preempt(min((r for r in self.running if r != req_id),  # run's check: one is
+                              key=lambda r: (self.running[r][2], -self.running[r][1].arrival, -r)))
+        seq.append(next_token(req_id, len(seq)))
         self._run(request, seq, step)
 
     def _preempt(self, req_id):
-        (seq, request), host_blocks = self.running.pop(req_id), None
-        del self.last_step[req_id]
+        (seq, request, _), host_blocks = self.running.pop(req_id), None
         self.stats.preemptions += 1
         self.stats.preempted_blocks += len(seq.block_table)
         if self.policy == "swap":
@@ -1601,8 +1566,8 @@ def recovery_seconds(stats, block_size, copies, latency_s):
     """(recompute, swap): prefill every restored token again, or copy each victim's blocks
     out and back in. From a recompute run: a swap run, with a host pool as large as the
     GPU's, preempts the same victims and moves exactly their blocks (a test checks it)."""
-    return (stats.recomputed_tokens / PREFILL_TOKENS_PER_S,
-            2 * stats.preempted_blocks * block_copy_seconds(block_size, copies, latency_s))
+    block_s = copies * latency_s + block_size * KV_BYTES_PER_TOKEN / PCIE_BYTES_PER_S  # per block
+    return stats.recomputed_tokens / PREFILL_TOKENS_PER_S, 2 * stats.preempted_blocks * block_s
 
 
 def claims_73(runs, copies):
@@ -1622,8 +1587,7 @@ def claims_73(runs, copies):
                 share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
         if len(ratio) > 1:  # block sizes with preemptions, to compare
             outcomes["shape"].append(ratio[min(ratio)] < 1 < ratio[max(ratio)])
-        if len(ratio) > 0:
-            outcomes["20%"].append(max(ratio.values()) <= COMPARABLE)
+        outcomes["20%"].append(max(ratio.values()) <= COMPARABLE)  # s has a preempted run
         if len(medium) > 0:
             outcomes["medium"].append(all(1 / COMPARABLE <= e <= COMPARABLE for e in medium))
     return outcomes, share
@@ -1718,6 +1682,7 @@ class SharingRun:
 
     def step(self, pool, sequences):
         self.used += pool.num_used
+        self.copies = pool.num_copies
         self.entries += sum(len(seq.block_table) for seq in sequences if not seq.is_freed)
 
 
@@ -1737,7 +1702,6 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
         for sample, length in zip(samples, outputs, strict=True):
             if step + 1 == length:
                 sample.free()  # done: its blocks go back (shared ones stay with the others)
-    run.copies = pool.num_copies
     expect(pool.num_free == pool.num_blocks, "parallel sampling leaked blocks")
     return run
 
@@ -1769,7 +1733,6 @@ def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, pi
             run.picture = block_map(pool, [seq for _, seq in beams])
         if check or step == output_len - 1:
             check_invariants(pool, [seq for _, seq in beams])
-    run.copies = pool.num_copies
     for _, seq in beams:
         seq.free()
     expect(pool.num_free == pool.num_blocks, "beam search leaked blocks")
@@ -1877,11 +1840,10 @@ def measure_block_size(requests, kv_tokens, block_size):
     for prompt, output in requests:
         refused = refused or cdiv(len(prompt) + len(output), block_size) > budget.num_free
         seqs.append(Sequence(len(seqs), rest if refused else budget, prompt + output))
-    fit = sum(seq.allocator is budget for seq in seqs)
     slots = (budget.num_used + rest.num_used) * block_size
     entries = sum(len(seq.block_table) for seq in seqs)
     return (slots - sum(len(seq) for seq in seqs)) / slots, entries / len(seqs), \
-        entries * TABLE_ENTRY_BYTES, fit
+        entries * TABLE_ENTRY_BYTES, sum(seq.allocator is budget for seq in seqs)
 
 
 def prefix_reuse_lost(block_size, seed=10):
@@ -2127,7 +2089,8 @@ def load_trace(path, limit=None):
                     break
                 if line.strip() != "":
                     requests.append(parse_trace_line(line, f"{path}:{number}"))
-                    for previous, h in zip([None, *requests[-1].hash_ids], requests[-1].hash_ids):
+                    ids = requests[-1].hash_ids
+                    for previous, h in zip([None, *ids], ids, strict=False):
                         if before.setdefault(h, previous) != previous:
                             raise ValueError(f"{path}:{number}: hash id {h} ends another "
                                              "prefix than before (an id is its whole prefix)")
@@ -2277,14 +2240,10 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
         policy = Lookahead(math.inf)
     if isinstance(policy, Lookahead) and policy.future is None:
         policy = Lookahead(policy.window, trace_future(prompts, block_size))
-    pool = PrefixCachingAllocator(num_blocks, block_size, policy, index)
     fresh = itertools.count(max((max(p) for p in prompts if len(p) > 0), default=-1) + 1)
-    for i, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
-        seq = Sequence(i, pool, prompt)
-        for _ in range(trace_decode_len(request, block_size)):
-            seq.append(next(fresh))
-        seq.free()
-    return pool
+    answers = [[next(fresh) for _ in range(trace_decode_len(r, block_size))] for r in requests]
+    return serve(PrefixCachingAllocator(num_blocks, block_size, policy, index),
+                 zip(prompts, answers, strict=True))  # Part 6's: admit, decode, free
 
 
 TRACE_SIZES = 4  # pool sizes on a log scale, from the longest request to "never evicts"
@@ -2324,12 +2283,12 @@ def demo_trace(path, limit, block_size, index="hash"):
     need = [cdiv(len(p) + trace_decode_len(r, block_size), block_size)
             for r, p in zip(requests, prompts, strict=True)]
     never = replay("lru", sum(need))
-    roomy = never.next_unused  # the smallest pool that never evicts
-    ratio = (roomy / max(need)) ** (1 / (TRACE_SIZES - 1))
-    sizes = sorted({round(max(need) * ratio ** k) for k in range(TRACE_SIZES - 1)} | {roomy}
-                   | ({THREE_M} if max(need) < THREE_M < roomy else set()))
-    rate = {(p, s): (replay(p, s) if s < roomy else never).hits / total
-            for s in sizes for p in ("lru", "optimal")}  # never evicting, every policy is one
+    roomy, longest = never.next_unused, max(need)  # roomy: the smallest pool that never evicts
+    ratio = (roomy / longest) ** (1 / (TRACE_SIZES - 1))
+    sizes = sorted({round(longest * ratio ** k) for k in range(TRACE_SIZES - 1)} | {roomy}
+                   | ({THREE_M} if longest < THREE_M < roomy else set()))
+    def rate(policy, s):  # never evicting, every policy is one
+        return (replay(policy, s) if s < roomy else never).hits / total
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
     print(f"== trace: {len(requests):,} requests of {name}, {index} index ==")
     print(f"{total:,} full prompt blocks (a {TRACE_ID_TOKENS}-token hash id each; block size "
@@ -2338,20 +2297,19 @@ def demo_trace(path, limit, block_size, index="hash"):
           f"blocks, which never evicts, {never.hits / total:.1%}")
     print("   pool blocks           tokens      LRU  optimal   LRU/optimal  optimal/ceiling")
     for s in sizes:
-        lru, optimal = rate["lru", s], rate["optimal", s]
+        lru, optimal = rate("lru", s), rate("optimal", s)
         print(f"   {s:>11,}  {s * TRACE_ID_TOKENS:>15,}  {lru:>7.1%}  {optimal:>7.1%}   "
               f"{lru / max(optimal, 1e-9):>11.0%}  {optimal * total / ceiling:>15.0%}")
     for share in (0.5, KNEE):  # the pool that never evicts reaches the ceiling
-        lru, optimal = (min(s for s in sizes if rate[p, s] * total >= share * ceiling)
+        lru, optimal = (min(s for s in sizes if rate(p, s) * total >= share * ceiling)
                         for p in ("lru", "optimal"))
         print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
               f"optimum's {optimal:,}")
-    knee = min(s for s in sizes if rate["optimal", s] * total >= KNEE * ceiling)
+    knee = min(s for s in sizes if rate("optimal", s) * total >= KNEE * ceiling)
     print(f"   the knee, the first pool here where the optimum reaches {KNEE:.0%} of the ceiling: "
           f"{knee:,} blocks")
     center = THREE_M if THREE_M in sizes else knee
-    trace_gap([s for s in (center // 2, center, 2 * center) if max(need) <= s < roomy],
-              lambda policy, s: replay(policy, s).hits / total, center)
+    trace_gap([s for s in (center // 2, center, 2 * center) if longest <= s < roomy], rate, center)
     print(f"hash chain against radix tree, LRU, {center:,} blocks:")
     for with_index, work in (("hash", "hashes looked up"), ("radix", "child look-ups")):
         pool = replay("lru", center, with_index)
@@ -2363,7 +2321,7 @@ def demo_trace(path, limit, block_size, index="hash"):
                             subsequent_indent="   "))
     print("   its Table 2 gives each trace's cache ratio: conversation 40%, synthetic 66%")
     print(f"   ours, {name}: a ceiling of {ceiling / total:.1%}; LRU at 3M tokens: " + (
-        f"{rate['lru', THREE_M] * total / ceiling:.0%} of the ceiling" if THREE_M in sizes
+        f"{rate('lru', THREE_M) * total / ceiling:.0%} of the ceiling" if THREE_M in sizes
         else "no pool here is 3M tokens"))
 
 
@@ -2379,9 +2337,8 @@ def trace_gap(sizes, rate, center):
         return (rate(policy, s) - rate("lru", s)) / max(rate("optimal", s) - rate("lru", s), 1e-9)
 
     def share(policy, s):  # "-" where LRU already has the optimum's hits: no lead to share
-        if rate("optimal", s) <= rate("lru", s):
-            return "  -"
-        return f"{round(recovered(policy, s), 2) + 0.0:.0%}"
+        no_lead = rate("optimal", s) <= rate("lru", s)
+        return "  -" if no_lead else f"{round(recovered(policy, s), 2) + 0.0:.0%}"
     for policy in ("lru", "fifo", "s3fifo", *WINDOWS, "optimal"):
         label = f"lookahead {policy}" if type(policy) is int else policy
         print(f"   {label:<14}" + "".join(f"{rate(policy, s):>10.1%} ({share(policy, s):>4})"
@@ -2422,10 +2379,8 @@ def knob_problems(b):
                   "SWEEP_REQUESTS", "BENCH_REPEATS", "WINDOWS", "TABLE_ENTRY_BYTES")
     at_least_0 = ("USER_LEN", "CHAT_SYSTEM_LEN", "CHAT_QUESTION_LEN", "CHAT_ANSWER_LEN")
     pool = b * max(cdiv(MAX_LEN, b), NUM_REQUESTS * cdiv(SYSTEM_LEN + USER_LEN, b))  # tokens
-
-    def fits(s):  # the fewest GPU blocks a request of MAX_SEQ_LEN fits in, with the margin
-        return cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99)
-    gpu = max(s * fits(s) for s in (b, *EVICT_SIZES) if s >= 1)  # tokens, at every size
+    gpu = max(s * (cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99))  # tokens: a
+              for s in (b, *EVICT_SIZES) if s >= 1)  # MAX_SEQ_LEN request and the 1% margin
     rules = [*((name, 1, math.inf) for name in at_least_1),
              *((name, 0, math.inf) for name in at_least_0), ("MAX_LEN", ACTUAL_LEN, math.inf),
              ("POOL_TOKENS", pool, math.inf), ("CACHE_POOLS", b * cdiv(chat, b), math.inf),
