@@ -2305,10 +2305,7 @@ def demo_trace(path, limit, block_size, index="hash"):
                         for p in ("lru", "optimal"))
         print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
               f"optimum's {optimal:,}")
-    knee = min(s for s in sizes if rate("optimal", s) * total >= KNEE * ceiling)
-    print(f"   the knee, the first pool here where the optimum reaches {KNEE:.0%} of the ceiling: "
-          f"{knee:,} blocks")
-    center = THREE_M if THREE_M in sizes else knee
+    center = THREE_M if THREE_M in sizes else optimal  # else the knee: the optimum's at KNEE
     trace_gap([s for s in (center // 2, center, 2 * center) if longest <= s < roomy], rate, center)
     print(f"hash chain against radix tree, LRU, {center:,} blocks:")
     for with_index, work in (("hash", "hashes looked up"), ("radix", "child look-ups")):
