@@ -791,12 +791,18 @@ def common_prefix(a, b):
 
 
 class RadixNode:
+    """Entry i of its lists is position start + i of a prompt; a split leaves the entries
+    before first to the node above (cutting them off would cost the rest of the node)."""
+
     def __init__(self, parent, start, token_ids, blocks, holders):
-        self.parent, self.start = parent, start  # start: the position of its first block
+        self.parent, self.start, self.first = parent, start, 0  # first: its first entry
         self.tokens = list(token_ids)  # block_size per block (a partial last block: fewer)
         self.blocks = blocks    # the block offered at each position (None: a hole)
         self.holders = holders  # a set a position: blocks in use or cached with its tokens
         self.children = {}      # first block's tokens (a tuple) -> node
+
+    def key(self, size):
+        return tuple(self.tokens[self.first * size:(self.first + 1) * size])
 
 
 class RadixIndex:
@@ -841,7 +847,8 @@ class RadixIndex:
                 visited += 1
                 if tuple(chunk) not in node.children:
                     break
-                node, i = node.children[tuple(chunk)], 0
+                node = node.children[tuple(chunk)]
+                i = node.first
             if node.blocks[i] is None or node.tokens[i * size:(i + 1) * size] != chunk:
                 break
             blocks.append(node.blocks[i])
@@ -851,7 +858,8 @@ class RadixIndex:
             if i < len(node.blocks):  # a block inside a node, or the first of a child
                 ends = [(node.blocks[i], node.tokens[i * size:(i + 1) * size])]
             else:
-                ends = [(child.blocks[0], child.tokens) for child in node.children.values()]
+                ends = [(child.blocks[child.first], child.key(size))
+                        for child in node.children.values()]
             rest = token_ids[reused:reused + size]
             best, block = max(((common_prefix(rest, tokens), block) for block, tokens in ends
                                if block is not None), default=(0, None))
@@ -872,7 +880,8 @@ class RadixIndex:
                 return self.join(node, i + 1, block)
             node = self.split(node, i + 1)
         if tuple(token_ids) in node.children:
-            return self.join(node.children[tuple(token_ids)], 0, block)
+            child = node.children[tuple(token_ids)]
+            return self.join(child, child.first, block)
         start = node.start + len(node.blocks)
         if node is not self.root and len(node.children) == 0 and len(token_ids) == size:
             node.tokens += token_ids  # a leaf grows by a block
@@ -895,15 +904,15 @@ class RadixIndex:
         return True
 
     def split(self, node, k):
-        """Cut node before its k-th block; the new node above it keeps the first k and their
-        holders' places: O(k and those holders), the k blocks the inserting prompt matched."""
-        size = self.block_size
-        head = RadixNode(node.parent, node.start, node.tokens[:k * size], node.blocks[:k],
-                         node.holders[:k])
-        node.parent.children[tuple(node.tokens[:size])] = head
-        node.tokens, node.blocks = node.tokens[k * size:], node.blocks[k:]
-        node.holders, node.start, node.parent = node.holders[k:], node.start + k, head
-        head.children[tuple(node.tokens[:size])] = node
+        """Cut node before its entry k; a new node above it takes the entries first..k-1 and
+        their holders' places: O(those entries and holders), the blocks the inserting prompt
+        has just matched in node; the rest of node stays where it is."""
+        size, first = self.block_size, node.first
+        head = RadixNode(node.parent, node.start + first, node.tokens[first * size:k * size],
+                         node.blocks[first:k], node.holders[first:k])
+        node.parent.children[node.key(size)] = head
+        node.first, node.parent = k, head
+        head.children[node.key(size)] = node
         for position, blocks in enumerate(head.holders, head.start):
             for block in blocks:
                 self.place[block] = (head, position)
@@ -930,12 +939,12 @@ class RadixIndex:
         if node.blocks[i] == block:
             node.blocks[i] = None
         while node is not self.root and len(node.children) == 0:
-            key = tuple(node.tokens[:self.block_size])
-            while len(node.holders) > 0 and len(node.holders[-1]) == 0:
+            key = node.key(self.block_size)
+            while len(node.holders) > node.first and len(node.holders[-1]) == 0:
                 node.holders.pop()
                 node.blocks.pop()
                 del node.tokens[len(node.blocks) * self.block_size:]
-            if len(node.holders) > 0:
+            if len(node.holders) > node.first:
                 break
             del node.parent.children[key]
             self.nodes -= 1

@@ -579,8 +579,22 @@ class TestPart6Cache:
         for k in range(19, 0, -1):  # each splits the run 0..19 once more, nearer its start
             lab.Sequence(k, pool, [*range(k), 100 + k]).free()
         assert len(pool.index) == 39  # 0 | 1 | ... | 19, and a leaf beside each but the first
-        for block, (node, position) in pool.index.place.items():  # in its node, not below it
-            assert node.start <= position < node.start + len(node.blocks)
+        for node, position in pool.index.place.values():  # in its node, not below it
+            assert node.start + node.first <= position < node.start + len(node.blocks)
+
+    def test_a_split_copies_only_the_entries_above_the_cut_not_the_rest_of_the_node(self, lab):
+        pool = caching(lab, 1100, 1, index="radix")
+        lab.Sequence("long", pool, range(1000)).free()
+        tail = next(iter(pool.index.root.children.values()))
+        lists = (tail.tokens, tail.blocks, tail.holders)
+        lab.Sequence("short", pool, [0, 1, 2, 99])  # splits the 1000-entry node after 3 entries
+        assert [len(head.blocks) for head in pool.index.root.children.values()] == [3]
+        assert tail.first == 3  # the tail keeps its own lists: nothing below the cut moved
+        assert all(a is b for a, b in zip((tail.tokens, tail.blocks, tail.holders), lists,
+                                          strict=True))
+        assert [len(lab.Sequence(i, pool, p).block_table) for i, p in
+                enumerate([range(1000), [0, 1, 2, 99]])] == [1000, 4]
+        assert pool.hits == 1000 + 4 + 3
 
     def test_the_radix_tree_evicts_a_leaf_before_its_parent(self, lab):
         pool = caching(lab, 4, 2, index="radix")
