@@ -1016,7 +1016,8 @@ class S3FIFO(LRU):
     as many entries as main, move to main at 2 hits). A prefix cache evicts only blocks
     nobody uses, so the queues hold evictable blocks and are sized against their number; a
     block in use leaves its queue and rejoins at the tail when freed; the ghost remembers
-    tokens, as a refilled block has a new id."""
+    tokens, as a refilled block has a new id, and so takes the same tokens after another
+    prefix for the same block (on a Mooncake trace tokens stand for their prefix)."""
 
     def __init__(self):
         super().__init__()
@@ -2229,11 +2230,17 @@ class Lookahead(LRU):
 
 def trace_future(prompts, block_size):
     """Each full block's tokens (a tuple) -> the numbers of the prompts using it, in order
-    (a prompt's number counts the non-empty prompts before it: the pool's clock)."""
-    future = {}
+    (a prompt's number counts the non-empty prompts before it: the pool's clock). ValueError
+    if a block's tokens follow two different blocks: Lookahead takes them for their prefix."""
+    future, before = {}, {}  # tokens -> the tokens of the block before them (None: first)
     for number, prompt in enumerate(prompt for prompt in prompts if len(prompt) > 0):
+        previous = None
         for k in range(len(prompt) // block_size):
-            future.setdefault(tuple(prompt[k * block_size:(k + 1) * block_size]), []).append(number)
+            tokens = tuple(prompt[k * block_size:(k + 1) * block_size])
+            if before.setdefault(tokens, previous) != previous:
+                raise ValueError(f"prompt {number}: block {k} follows another block than before")
+            future.setdefault(tokens, []).append(number)
+            previous = tokens
     return future
 
 
@@ -2242,7 +2249,8 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
     index): admit the prompt (trace_prompt; prompts: all of them, if the caller has them), append
     the decode tokens one at a time from a counter above every prompt token, free. policy "optimal"
-    is Lookahead(math.inf); a Lookahead without a future gets this trace's. Returns the pool."""
+    is Lookahead(math.inf); a Lookahead without a future gets this trace's (trace_future, which
+    refuses ids that do not stand for one prefix, as load_trace does). Returns the pool."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal":

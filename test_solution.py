@@ -891,6 +891,13 @@ class TestPart11Trace:
             lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3))  # replay_trace gives it one
         lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3, {}))
 
+    def test_a_look_ahead_refuses_ids_that_do_not_stand_for_one_prefix(self, lab):
+        mixed = trace(lab, [0, 1], [1], [0])  # id 1 after 0, then first: two prefixes
+        assert hits(lab, mixed, 3, "lru", 1) == 1  # LRU needs no future
+        for policy in ("optimal", lab.Lookahead(0)):  # the optimum lost to LRU here
+            with pytest.raises(ValueError):
+                hits(lab, mixed, 3, policy, 1)
+
     def test_trace_prompt_worked_example(self, lab):
         request = lab.TraceRequest(0, 1100, 10, [7, 9, 3])
         assert lab.trace_prompt(request, 4) == [28, 29, 30, 31, 36, 37, 38, 39, 12]
