@@ -1170,7 +1170,8 @@ class PrefixCachingAllocator(BlockAllocator):
     def allocate(self):
         """A free block: blocks no cache entry will miss go first (NOTE: vLLM keeps both in
         one queue and pops its head); when none is left, the policy's victim."""
-        if len(self.policy) > 0 and self.num_free == len(self.policy):  # only evictable left
+        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks \
+                and len(self.policy) > 0:
             block = self.policy.victim(self.stats.prompts)
             self.index.forget(block)
             self.stats.evictions += 1
