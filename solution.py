@@ -1295,14 +1295,15 @@ def cache_chained_hashes(block_size):
     x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
     a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
     chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
-    c = Sequence("c", pool, x + y + [7])  # a and b hit nothing: every hit is c's
+    hits = pool.hits  # b hits nothing, unless the hashes are not chained
+    c = Sequence("c", pool, x + y + [7])
     print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
     print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
           "block cache would give b a's KV")
     print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
           f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
     same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
-    print(f"   c = X+Y+1 token: {plural(pool.hits, 'hit')}, {c.block_table[:2]}: {same}")
+    print(f"   c = X+Y+1 token: {plural(pool.hits - hits, 'hit')}, {c.block_table[:2]}: {same}")
 
 
 def cache_token_level(seed):
@@ -1507,8 +1508,8 @@ class Scheduler:
 
     def _decode(self, req_id, step):
         seq, request, _ = self.running[req_id]
-        while len(seq) % self.gpu.block_size == 0 and self.gpu.num_free == 0:  # a full last block
-            self._preempt(min((r for r in self.running if r != req_id),  # run's check: one is
+        while len(seq) % self.gpu.block_size == 0 and self.gpu.num_free == 0:  # needs a block
+            self._preempt(min((r for r in self.running if r != req_id),  # run's check: r exists
                               key=lambda r: (self.running[r][2], -self.running[r][1].arrival, -r)))
         seq.append(next_token(req_id, len(seq)))
         self._run(request, seq, step)
@@ -2394,8 +2395,8 @@ def knob_problems(b):
                   "SWEEP_REQUESTS", "BENCH_REPEATS", "WINDOWS", "TABLE_ENTRY_BYTES")
     at_least_0 = ("USER_LEN", "CHAT_SYSTEM_LEN", "CHAT_QUESTION_LEN", "CHAT_ANSWER_LEN")
     pool = b * max(cdiv(MAX_LEN, b), NUM_REQUESTS * cdiv(SYSTEM_LEN + USER_LEN, b))  # tokens
-    gpu = max(s * (cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99))  # tokens: a
-              for s in (b, *EVICT_SIZES) if s >= 1)  # MAX_SEQ_LEN request and the 1% margin
+    gpu = max(s * (cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99))  # tokens
+              for s in (b, *EVICT_SIZES) if s >= 1)  # a longest request and the 1% margin fit
     rules = [*((name, 1, math.inf) for name in at_least_1),
              *((name, 0, math.inf) for name in at_least_0), ("MAX_LEN", ACTUAL_LEN, math.inf),
              ("POOL_TOKENS", pool, math.inf), ("CACHE_POOLS", b * cdiv(chat, b), math.inf),
