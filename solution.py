@@ -1704,16 +1704,13 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
     pool = BlockAllocator(len(outputs) * cdiv(prompt_len + max(outputs), block_size), block_size)
     samples = [Sequence(0, pool, random_tokens(rng, prompt_len))]
     samples += [samples[0].fork(i) for i in range(1, len(outputs))]
-    for sample in (sample for sample, length in zip(samples, outputs, strict=True) if length == 0):
-        sample.free()  # nothing to decode: done once its prompt is in
-    for step in range(max(outputs)):
+    for step in range(max(outputs) + 1):
         for sample, length in zip(samples, outputs, strict=True):
-            if step < length:
+            if step == length:
+                sample.free()  # done: its blocks go back (shared ones stay with the others)
+            elif step < length:
                 sample.append(rng.randrange(32_000))
         run.step(pool, samples)
-        for sample, length in zip(samples, outputs, strict=True):
-            if step + 1 == length:
-                sample.free()  # done: its blocks go back (shared ones stay with the others)
     expect(pool.num_free == pool.num_blocks, "parallel sampling leaked blocks")
     return run
 
