@@ -429,7 +429,7 @@ def check_invariants(allocator, sequences):
     """Raise AssertionError naming the first broken invariant. sequences must include
     every live sequence on allocator, or their references look like leaks."""
     audit(allocator)
-    references = Counter()
+    references = Counter({block: 0 for block in allocator.ref_cnt})  # a leak stays at 0
     for seq in (seq for seq in sequences if not seq.is_freed):
         need = cdiv(len(seq.tokens), allocator.block_size)
         expect(len(seq.block_table) == need, f"block count: sequence {seq.seq_id!r} holds "
@@ -438,17 +438,14 @@ def check_invariants(allocator, sequences):
         references.update(seq.block_table)
         expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
                "tokens it was not given")
-    for block, refs in references.items():
+    for block, refs in references.items():  # every block in use or in a table
         expect(allocator.refcount(block) == refs, f"ref-count != block-table references: "
                f"block {block} has ref-count {allocator.refcount(block)}, {refs} references")
-    expect(allocator.num_used == len(references), f"ref-count != block-table references: "
-           f"{allocator.num_used} blocks in use, {len(references)} in block tables")
 
 
 def snapshot(allocator, sequences):
     """Every field of the pool and the sequences, serialized: a refused call leaves it equal."""
-    return pickle.dumps([vars(allocator)] + [{name: value for name, value in vars(seq).items()
-                                              if name != "allocator"} for seq in sequences])
+    return pickle.dumps([vars(allocator)] + [{**vars(seq), "allocator": None} for seq in sequences])
 
 
 def random_tokens(rng, n, vocab=32_000):
@@ -469,6 +466,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
         if op in ("create", "fork", "share") and len(live) >= max_live:
             op = "free"
         target = live[rng.choice(sorted(live))] if len(live) > 0 else None
+        held = target.block_table[-1:] if op == "raw share" else []  # held outside any sequence
+        kept = [(allocator.share(block), allocator.read(block)) for block in held]
         before = snapshot(allocator, live.values())
         try:
             if op == "create":
@@ -478,19 +477,11 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
                 live[step], model[step] = Sequence(step, allocator, tokens), tokens
             elif op in ("append", "extend", "raw share"):
                 tokens = random_tokens(rng, rng.randint(1, longest) if op == "extend" else 1, vocab)
-                held = target.block_table[-1:] if op == "raw share" else []
-                kept = [(allocator.share(block), allocator.read(block)) for block in held]
-                try:
-                    if op == "extend":
-                        target.extend(tokens)
-                    else:
-                        target.append(tokens[0])
-                    model[target.seq_id] = model[target.seq_id] + tokens
-                finally:
-                    for block, slots in kept:  # the holder outside any sequence still reads it
-                        expect(allocator.read(block) == slots, "copy-on-write: an append wrote "
-                               "into a block another holder can see")
-                        allocator.free(block)
+                if op == "extend":
+                    target.extend(tokens)
+                else:
+                    target.append(tokens[0])
+                model[target.seq_id] = model[target.seq_id] + tokens
             elif op in ("fork", "share"):
                 n = len(target) if op == "fork" else rng.randint(0, len(target))
                 live[step] = target.fork(step) if op == "fork" else share_prefix(target, step, n)
@@ -503,19 +494,21 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
             counts["refused"] += 1
             expect(snapshot(allocator, live.values()) == before,
                    f"atomicity: a refused {op} changed the pool or a sequence")
+        for block, slots in kept:  # the outside holder still reads what it shared; drop it
+            expect(allocator.read(block) == slots, "copy-on-write: an append wrote into a block "
+                   "another holder can see")
+            allocator.free(block)
         check_invariants(allocator, live.values())
         expect(all(seq.tokens == model[seq_id] for seq_id, seq in live.items()),
                "model: a sequence disagrees with the plain-list model")
     for seq in live.values():
         seq.free()
-    expect(allocator.num_free == allocator.num_blocks, "freeing everything left blocks in use")
-    audit(allocator)
+    check_invariants(allocator, [])  # all freed: no block may still be in use
     return counts
 
 
-def check_block_boundary(block_size):
-    """A new block exactly when the last one is full, by append and by prefill."""
-    sizes = sorted({1, 3, block_size})
+def check_block_boundary(sizes):
+    """A new block exactly when the last one is full, by append and by prefill, at each size."""
     for size in sizes:
         pool = BlockAllocator(64, size)
         grown = Sequence("grown", pool)
@@ -545,10 +538,10 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
 
 
 def run_checks(block_size, seed):
+    sizes = sorted({1, 3, block_size})  # the block sizes checked
     print("== correctness checks ==")
-    print(f"{check_block_boundary(block_size):<78} ok")  # a failing check raises, naming what broke
+    print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
     print(f"{sharing_scenario(max(3, block_size)):<78} ok")  # size 1 or 2 cannot hold it
-    sizes = sorted({1, 3, block_size})
     for i, size in enumerate(sizes):
         fuzz(BlockAllocator(12, size), random.Random(i + (0 if seed is None else seed)), 100)
     label = f"random operations vs a plain-list model ({100 * len(sizes)}), refused ones inert"
@@ -634,12 +627,6 @@ def reserve_max_len(pool, tokens, max_len):
     return blocks
 
 
-def written_share(pool):
-    """The share of the slots of blocks in use that hold a token (the pool is fresh)."""
-    slots = [token for block in pool.ref_cnt for token in pool.read(block)]
-    return sum(token is not None for token in slots) / len(slots)
-
-
 def demo_memory(block_size, seed):
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
     naive_pool, paged_pool = (BlockAllocator(num_blocks, block_size) for _ in range(2))
@@ -650,7 +637,8 @@ def demo_memory(block_size, seed):
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
-    naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
+    naive_written = naive * ACTUAL_LEN / (naive_pool.num_used * block_size)  # tokens / slots
+    paged_written = paged * ACTUAL_LEN / (paged_pool.num_used * block_size)
     print(f"slots in use that hold a token: naive {naive_written:.1%} ({1 - naive_written:.1%} "
           f"reserved, never written), paged {paged_written:.1%}")
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} (a request "
