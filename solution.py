@@ -1660,9 +1660,9 @@ def demo_evict(block_size, seed):
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in the paper
 SHARING_SEEDS = 3        # traces per cell: each cell is a range over them
-SHARING_REQUESTS = {("Alpaca", "parallel"): 200, ("Alpaca", "beam"): 20,  # per trace: enough
-                    ("ShareGPT", "parallel"): 20, ("ShareGPT", "beam"): 8}  # to be narrower
-#                   than the paper's range (the section prints both widths)
+SHARING_REQUESTS = {(ALPACA, "parallel"): 200, (ALPACA, "beam"): 20,  # per trace: enough
+                    (SHAREGPT, "parallel"): 20, (SHAREGPT, "beam"): 8}  # to be narrower
+#                   than the paper's range (the section prints both widths), in table order
 PAPER_63 = {  # the paper's 6.3, quoted
     "quote": "We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 55.2% on "
              "beam search. In the same experiments with the ShareGPT dataset, we saw 16.2% - "
@@ -1678,12 +1678,12 @@ class SharingRun:
     used: int = 0     # blocks in use, summed over the steps
     entries: int = 0  # block-table entries: what independent copies would hold
     copies: int = 0   # copy-on-write copies made
-    picture: list = field(default_factory=list)  # a block map of the beams at one step
+    picture: list = field(default_factory=list)  # a block map of the beams at the end
 
     def step(self, pool, sequences):
         self.used += pool.num_used
         self.copies = pool.num_copies
-        self.entries += sum(len(seq.block_table) for seq in sequences if not seq.is_freed)
+        self.entries += sum(len(seq.block_table) for seq in sequences)  # a freed one holds none
 
 
 def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
@@ -1703,8 +1703,7 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
     return run
 
 
-def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, picture_step=-1,
-                check=False):
+def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, check=False):
     """Beam search with pruning over seeded random scores (no model): each step every beam proposes
     width candidates, the best width survive, a parent chosen by several is forked, a parent chosen
     by none is freed. Every beam reads back its own history (with check, after every step)."""
@@ -1726,10 +1725,9 @@ def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, pi
             seq.append(rng.randrange(32_000))
         beams = survivors
         run.step(pool, [seq for _, seq in beams])
-        if step == picture_step:
-            run.picture = block_map(pool, [seq for _, seq in beams])
         if check or step == output_len - 1:
             check_invariants(pool, [seq for _, seq in beams])
+    run.picture = block_map(pool, [seq for _, seq in beams])
     for _, seq in beams:
         seq.free()
     expect(pool.num_free == pool.num_blocks, "beam search leaked blocks")
@@ -1739,9 +1737,9 @@ def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, pi
 def sharing_saving(dataset, kind, width, seed, block_size):
     """The saving over a trace of requests with lengths drawn around dataset's means: blocks
     saved by sharing over blocks needed without it, summed over every request's steps."""
-    name, prompt_mean, output_mean = dataset
+    _, prompt_mean, output_mean = dataset
     rng, used, entries = random.Random(seed), 0, 0
-    for request in range(SHARING_REQUESTS[name, kind]):
+    for request in range(SHARING_REQUESTS[dataset, kind]):
         prompt = draw_length(rng, prompt_mean, MAX_SEQ_LEN // 2)
         if kind == "parallel":  # each sample ends at a length of its own
             outputs = [draw_length(rng, output_mean, MAX_SEQ_LEN - prompt) for _ in range(width)]
@@ -1770,14 +1768,13 @@ def demo_beam(block_size, seed):
     for prompt_len in (6 * block_size + max(1, block_size // 4), 6 * block_size):
         copies = parallel_sampling(prompt_len, [8] * samples, block_size).copies
         where = "mid-block" if prompt_len % block_size else "on a block boundary"
-        expected = " = one per writer but the last" if copies == samples - 1 else \
-            f", not {samples - 1}: one per writer but the last"
+        verdict = " =" if copies == samples - 1 else f", not {samples - 1}:"
         print(f"   {prompt_len} tokens, ending {where}: {plural(copies, 'copy', 'copies')}"
-              + (expected if prompt_len % block_size else ""))
+              + (f"{verdict} one per writer but the last" if prompt_len % block_size else ""))
     prompt_len, width, size, steps = 10, 4, 4, 7
     print(f"2. the beams of a beam search after {steps} steps (prompt {prompt_len}, width {width}, "
           f"block size {size}), [block:ref-count]")
-    print("\n".join(beam_search(prompt_len, width, 8, size, picture_step=steps - 1).picture))
+    print("\n".join(beam_search(prompt_len, width, steps, size).picture))
     print(f"3. saved memory vs the paper (6.3), over {SHARING_SEEDS} traces a cell; the paper's "
           "saving, quoted:")
     print(textwrap.fill(f'"{PAPER_63["saving"]}" (ours: the same, summed over every step of a '
@@ -1785,17 +1782,15 @@ def demo_beam(block_size, seed):
                         subsequent_indent="   "))
     print("   dataset   kind      requests  n or k  ours         width    paper        width   "
           "ours vs paper")
-    for dataset in (ALPACA, SHAREGPT):
-        for kind, widths in (("parallel", NUM_SAMPLES), ("beam", BEAM_WIDTHS)):
-            low, high = PAPER_63[dataset[0], kind]
-            for width in widths:
-                values = [sharing_saving(dataset, kind, width, s, block_size)
-                          for s in range(first, first + SHARING_SEEDS)]
-                where = versus(min(values), max(values), low, high)
-                print(f"   {dataset[0]:<9} {kind:<9} {SHARING_REQUESTS[dataset[0], kind]:>8}  "
-                      f"{width:>6}  {min(values):>5.1%}-{max(values):<6.1%}"
-                      f"{(max(values) - min(values)) * 100:>4.1f} pp  {low:>5.1%}-{high:<6.1%}"
-                      f"{(high - low) * 100:>4.1f} pp  {where}")
+    for (dataset, kind), requests in SHARING_REQUESTS.items():
+        low, high = PAPER_63[dataset[0], kind]
+        for width in NUM_SAMPLES if kind == "parallel" else BEAM_WIDTHS:
+            values = [sharing_saving(dataset, kind, width, s, block_size)
+                      for s in range(first, first + SHARING_SEEDS)]
+            where = versus(min(values), max(values), low, high)
+            print(f"   {dataset[0]:<9} {kind:<9} {requests:>8}  {width:>6}  {min(values):>5.1%}-"
+                  f"{max(values):<6.1%}{(max(values) - min(values)) * 100:>4.1f} pp  "
+                  f"{low:>5.1%}-{high:<6.1%}{(high - low) * 100:>4.1f} pp  {where}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -1843,13 +1838,12 @@ def measure_block_size(requests, kv_tokens, block_size):
         entries * TABLE_ENTRY_BYTES, sum(seq.allocator is budget for seq in seqs)
 
 
-def prefix_reuse_lost(block_size, seed=10):
+def prefix_reuse_lost(block_size):
     """Share of a shared system prompt that a second request cannot take from the cache."""
-    rng = random.Random(seed)
-    system = random_tokens(rng, SWEEP_SYSTEM_LEN)
+    system = list(range(SWEEP_SYSTEM_LEN))  # any tokens: only what the two requests share counts
     pool = PrefixCachingAllocator(2 * cdiv(SWEEP_SYSTEM_LEN + 50, block_size), block_size)
-    Sequence("first", pool, system + random_tokens(rng, 50))
-    Sequence("second", pool, system + random_tokens(rng, 50))
+    Sequence("first", pool, system + [1] * 50)  # then a message of its own
+    Sequence("second", pool, system + [2] * 50)
     return 1 - pool.hits * block_size / SWEEP_SYSTEM_LEN
 
 
@@ -1870,22 +1864,20 @@ def demo_sweep(block_size, seed):
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
           "a prefix cache cannot reuse")
     print("   block  " + "".join(f"{size:>7}" for size in SWEEP_SIZES))
-    print("   lost   " + "".join(f"{prefix_reuse_lost(size, first + 2):>7.1%}"
-                                 for size in SWEEP_SIZES))
+    print("   lost   " + "".join(f"{prefix_reuse_lost(size):>7.1%}" for size in SWEEP_SIZES))
     budgets = (MAX_FRAGMENTATION / 2, MAX_FRAGMENTATION, 2 * MAX_FRAGMENTATION)
     spots = {}  # (dataset name, budget) -> the sweet spot of each seed
     for dataset, kv_tokens in SWEEP_BUDGETS.items():
+        print(f"{dataset[0]}-like, seed {first}: {SWEEP_REQUESTS} requests around the paper's "
+              f"means {dataset[1]:.0f}/{dataset[2]:.0f}; fit: in {kv_tokens:,} tokens of KV")
+        print("   block  fragmentation  entries/seq  tables KiB    fit")
         for s in range(first, first + SWEEP_SEEDS):
             rows = {size: measure_block_size(sweep_workload(dataset, s), kv_tokens, size)
                     for size in SWEEP_SIZES}
             for budget in budgets:
                 spots.setdefault((dataset[0], budget), []).append(
                     sweet_spot({size: row[0] for size, row in rows.items()}, budget))
-            if s == first:
-                print(f"{dataset[0]}-like, seed {s}: {SWEEP_REQUESTS} requests around the "
-                      f"paper's means {dataset[1]:.0f}/{dataset[2]:.0f}; fit: in {kv_tokens:,} "
-                      "tokens of KV")
-                print("   block  fragmentation  entries/seq  tables KiB    fit")
+            if s == first:  # the table of the first seed
                 for size, (waste, entries, table_bytes, fit) in rows.items():
                     print(f"   {size:>5}  {waste:>13.1%}  {entries:>11.1f}  "
                           f"{table_bytes / 1024:>10.1f}  {fit:>5}")
@@ -2376,8 +2368,8 @@ def knob_problems(b):
     chat = CHAT_SYSTEM_LEN + CHAT_TURNS * (CHAT_QUESTION_LEN + CHAT_ANSWER_LEN)  # tokens
     at_least_1 = ("ACTUAL_LEN", "NUM_REQUESTS", "SYSTEM_LEN", "CHAT_TURNS", "CHAT_CONVERSATIONS",
                   "WAITING", "EVICT_REQUESTS", "EVICT_SEEDS", "NUM_SAMPLES", "BEAM_WIDTHS",
-                  "SHARING_SEEDS", "SHARING_REQUESTS", "SWEEP_SYSTEM_LEN", "SWEEP_SEEDS",
-                  "SWEEP_REQUESTS", "BENCH_REPEATS", "WINDOWS", "TABLE_ENTRY_BYTES")
+                  "SHARING_SEEDS", "SWEEP_SYSTEM_LEN", "SWEEP_SEEDS", "SWEEP_REQUESTS",
+                  "BENCH_REPEATS", "WINDOWS", "TABLE_ENTRY_BYTES")
     at_least_0 = ("USER_LEN", "CHAT_SYSTEM_LEN", "CHAT_QUESTION_LEN", "CHAT_ANSWER_LEN")
     pool = b * max(cdiv(MAX_LEN, b), NUM_REQUESTS * cdiv(SYSTEM_LEN + USER_LEN, b))  # tokens
     gpu = max(s * (cdiv(MAX_SEQ_LEN, s) + 1 + cdiv(cdiv(MAX_SEQ_LEN, s) + 1, 99))  # tokens
@@ -2391,7 +2383,8 @@ def knob_problems(b):
              ("COMPARABLE", 1, math.inf), ("MAX_FRAGMENTATION", 0.001, 0.25),
              ("SWEEP_BUDGETS", MAX_BLOCK_SIZE, math.inf),
              ("BENCH_POOLS", max(100, cdiv(chat, b)), math.inf), ("BENCH_FULL", 0, 0.99),
-             ("TRACE_SIZES", 2, 8), ("KNEE", 0.01, 1)]
+             ("TRACE_SIZES", 2, 8), ("KNEE", 0.01, 1),
+             ("SHARING_REQUESTS", 1, 1000)]  # more: seed * 1000 + request repeats across traces
     for name, low, high in rules:
         knob = globals()[name]
         for value in knob.values() if isinstance(knob, dict) else knob if isinstance(

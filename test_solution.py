@@ -822,7 +822,7 @@ class TestPart8Beams:
         assert 0 < run.used <= run.entries and (width == 2 or run.used < run.entries)
 
     def test_the_picture_shows_blocks_shared_across_beams(self, lab):
-        picture = lab.beam_search(10, 4, 8, block_size=4, picture_step=6).picture
+        picture = lab.beam_search(10, 4, 7, block_size=4).picture
         assert len(picture) == 4 and all("[  0:4]" in row for row in picture)
 
     def test_the_paper_comparison_ranges_are_narrower_than_the_papers(self, lab, capsys):
@@ -1020,7 +1020,8 @@ class TestCommandLine:
                                              ("KNEE", 0), ("SHARING_REQUESTS", {("a", "b"): 0}),
                                              ("SWEEP_BUDGETS", {"a": 8}), ("BENCH_POOLS", (10,)),
                                              ("MAX_SEQ_LEN", 1), ("GPU_KV_TOKENS", 2000),
-                                             ("HOST_KV_TOKENS", 0)])
+                                             ("HOST_KV_TOKENS", 0),
+                                             ("SHARING_REQUESTS", {("a", "b"): 1001})])
     def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, lab, capsys,
                                                                    monkeypatch, knob, value):
         monkeypatch.setattr(lab.module, knob, value)
