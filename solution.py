@@ -719,8 +719,6 @@ class HashIndex:
     """vLLM's index: block hash -> block. Invariant: cached maps each block hash to the one
     block offered for it; block_hash knows the hash of every full block in use or cached."""
 
-    exact = True  # a hit is the cached block's very tokens: equal hashes, equal pickles
-
     def __init__(self, block_size):
         self.block_size = block_size
         self.cached = {}      # block hash -> block (vLLM: cached_block_hash_to_block)
@@ -810,8 +808,6 @@ class RadixIndex:
     at a time, so the hits equal the hash chain's (SGLang: whole leaves, oldest first); a
     block evicted inside a run leaves a hole that the same tokens fill again."""
 
-    exact = False  # blocks are compared with ==, under which True == 1.0 == 1
-
     def __init__(self, block_size, token_level=False):
         self.block_size, self.token_level = block_size, token_level
         self.root = RadixNode(None, 0, [], [], [])
@@ -828,6 +824,7 @@ class RadixIndex:
 
     def match(self, token_ids):
         """(cached blocks of the prompt's leading blocks, tokens they hold, child look-ups)."""
+        check_tokens(token_ids)  # it compares tokens with ==, under which True == 1.0 == 1
         size, node, i, blocks, visited = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
             chunk = list(token_ids[len(blocks) * size:(len(blocks) + 1) * size])
@@ -1097,11 +1094,8 @@ class PrefixCachingAllocator(BlockAllocator):
         was given, checked when written. vLLM stops one token short (max_cache_hit_length
         = num_tokens - 1) so that the model computes the last token's logits; this lab
         counts memory, and reuses every block it finds."""
-        if not self.index.exact:  # it compares tokens with ==: check them before it does
-            check_tokens(token_ids)
         blocks, reused, work = self.index.match(token_ids)
-        if self.index.exact:  # its hits are proven: check what it did not find
-            check_tokens(token_ids[reused:])
+        check_tokens(token_ids[reused:])  # the hits are checked: their tokens were written
         size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
         revived = [block for block in blocks[:full] if block not in ref_cnt]
         self.ensure_free(cdiv(len(token_ids), size) - full + len(revived))  # check, then act
@@ -1341,7 +1335,6 @@ def cache_aware_order(block_size, stream):
     arrival, lpm = results["arrival", "hash"], results["longest prefix", "hash"]
     print(f"   longest prefix first, against arrival order (hash): {arrival[0]} -> {lpm[0]} hits, "
           f"{arrival[1]} -> {lpm[1]} evictions")
-    return results
 
 
 # ---------------------------------------------------------------------------------------
