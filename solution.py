@@ -1446,16 +1446,14 @@ class Scheduler:
                 raise ValueError(f"request {request.req_id} is there twice")
             seen.add(request.req_id)
             if not self._fits(len(request.prompt) + request.max_tokens):  # or it never ends
-                raise ValueError(f"request {request.req_id} can never fit the GPU pool's free "
-                                 "blocks")
+                raise ValueError(f"request {request.req_id} can never fit the free GPU blocks")
         queue, step = sorted(requests, key=lambda r: (r.arrival, r.req_id)), 0  # not yet admitted
         while len(queue) + len(self.running) + len(self.preempted) > 0:
             if len(self.running) + len(self.preempted) == 0:
                 step = max(step, queue[0].arrival)  # idle until the next arrival: skip
-            oldest_first = sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r))
-            for req_id in oldest_first:  # nobody overtakes them
+            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r)):
                 if not self._fits(len(self.preempted[req_id][1])):
-                    break
+                    break  # nobody overtakes them
                 self._resume(req_id, step)
             while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
                     and self._fits(len(queue[0].prompt)):
@@ -1550,8 +1548,7 @@ def run_policy(policy, block_size, requests, host_tokens):
         expect(finished[r.req_id] == r.prompt + [next_token(r.req_id, p) for p in range(
             len(r.prompt), len(r.prompt) + r.max_tokens)], f"{policy}: request {r.req_id} "
             "finished with the wrong tokens")
-    expect(gpu.num_free == gpu.num_blocks and host.num_free == host.num_blocks,
-           f"{policy}: a pool is not whole at the end")
+    expect(gpu.num_used == host.num_used == 0, f"{policy}: a pool is not whole at the end")
     return scheduler.stats
 
 
@@ -1590,7 +1587,7 @@ def demo_evict(block_size, seed):
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     requests = preemption_workload(first)
     print(f"== evict: preemption by recompute vs swap ({len(requests)} ShareGPT-like requests, "
-          f"{GPU_KV_TOKENS}-token GPU pool) ==")
+          f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
     print(f"cost model, OPT-13B on an A100-40GB (sources in the code): swap copies a block in "
           f"{copies} pieces")
     print(f"   (each layer's K and V, as vLLM v0), {min(COPY_LATENCY_S) * 1e6:g}-"
