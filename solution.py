@@ -1920,7 +1920,7 @@ def ns_per_op(benches, repeats):
     return best
 
 
-def bench_append(pool_class, num_blocks, num_tokens, block_size):
+def bench_append(num_blocks, num_tokens, block_size, pool_class=BlockAllocator):
     """Appends into a warm pool, whose blocks come back from the free list as in a server
     that has run a while; a prefix-caching pool also hashes each block that fills."""
     pool, tokens = pool_class(num_blocks, block_size), list(range(num_tokens))
@@ -1993,15 +1993,14 @@ def demo_bench(block_size, seed):
         prompts.append(prompt)
     print(f"== bench: ns per operation at pools of {', '.join(f'{n:,}' for n in pools)} blocks "
           f"(best of {repeats}) ==")
-    rows = {"append, per token": lambda n: bench_append(BlockAllocator, n, tokens, size),
-            "append, prefix-caching pool": lambda n: bench_append(PrefixCachingAllocator, n,
-                                                                  tokens, size),
-            "allocate + free, per block": lambda n: bench_allocate_free(n, pools[0] // 2),
-            "fork + free, per block shared": lambda n: bench_fork_free(n, pools[0] // 20, size),
-            "cache admission, per prompt block": lambda n: bench_admission(n, prompts, size)}
+    rows = {"append, per token": (bench_append, tokens, size),  # (setup, its args after n)
+            "append, prefix-caching pool": (bench_append, tokens, size, PrefixCachingAllocator),
+            "allocate + free, per block": (bench_allocate_free, pools[0] // 2),
+            "fork + free, per block shared": (bench_fork_free, pools[0] // 20, size),
+            "cache admission, per prompt block": (bench_admission, prompts, size)}
     print(f"1. scaling {'':>31}" + "".join(f"{n:>11,}" for n in pools) + "   largest/smallest")
-    for label, bench in rows.items():
-        times = ns_per_op([(bench, n) for n in pools], repeats)
+    for label, (setup, *args) in rows.items():
+        times = ns_per_op([(setup, n, *args) for n in pools], repeats)
         print(f"   {label:<39}" + "".join(f"{t:>11.0f}" for t in times)
               + f"   {times[-1] / times[0]:>15.2f}x")
     print(f"   why a free list: allocate + free at a pool {BENCH_FULL:.0%} full, against a scan")
@@ -2010,8 +2009,8 @@ def demo_bench(block_size, seed):
                                      (bench_allocate_free, n, 20, BENCH_FULL, True)], repeats)
         print(f"   {n:>11,} blocks: free list {free_list:>5.0f}, scan (list.index, in C) "
               f"{scan:>9.0f} ns: {scan / free_list:,.0f}x")
-    ours, caching, bare = ns_per_op([(bench_append, BlockAllocator, pools[0], tokens, size),
-                                     (bench_append, PrefixCachingAllocator, pools[0], tokens, size),
+    ours, caching, bare = ns_per_op([(bench_append, pools[0], tokens, size),
+                                     (bench_append, pools[0], tokens, size, PrefixCachingAllocator),
                                      (bench_bare_append, pools[0], tokens, size)], repeats)
     admission, floor = ns_per_op([(bench_admission, pools[0], prompts, size),  # short runs:
                                   (bench_admission, pools[0], prompts, size, True)],
@@ -2244,9 +2243,11 @@ PAPER_MOONCAKE = [  # quoted, with the trace each refers to
 
 
 def progress(line):
-    """A line on stderr, rewritten in place when stderr is a terminal."""
-    tty = sys.stderr.isatty()
-    print(f"\r{line:<70}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    """A line on stderr, rewritten in place when stderr is a terminal, where "" erases it."""
+    if sys.stderr.isatty():  # back to column 0: what stdout prints next starts there
+        print(f"\r{line:<70}\r", end="", file=sys.stderr, flush=True)
+    elif line != "":
+        print(line, file=sys.stderr, flush=True)
 
 
 def demo_trace(path, limit, block_size, index="hash"):
@@ -2265,6 +2266,7 @@ def demo_trace(path, limit, block_size, index="hash"):
                 policy) is int or policy == "optimal" else policy
             pools[policy, size, with_index] = replay_trace(requests, size, spec, block_size,
                                                            with_index, prompts)
+            progress("")  # before stdout prints: on a terminal both share the screen
         return pools[policy, size, with_index]
     need = [cdiv(len(p) + trace_decode_len(r, block_size), block_size)
             for r, p in zip(requests, prompts, strict=True)]
@@ -2349,7 +2351,6 @@ def trace_gap(sizes, rate, center):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
-ON_REQUEST = {"bench": demo_bench}  # and trace PATH, starter PART FILE
 
 
 def knob_problems(b):
@@ -2416,7 +2417,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    every = {**CORE, **EXTENSIONS, **ON_REQUEST}
+    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace PATH, starter PART FILE
     choices = f"{', '.join(every)}, all, trace PATH, starter PART FILE"
     parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab: the core "
                            "sections, all of them, or the ones named.")
