@@ -9,6 +9,7 @@ block tables do, each sequence must read back exactly that list.
 
 import ast
 import importlib.util
+import io
 import os
 import pathlib
 import random
@@ -981,6 +982,20 @@ class TestPart11Trace:
         out = capsys.readouterr().out
         assert "the ceiling" in out and "lookahead 100" in out
         assert max(len(line) for line in out.splitlines()) <= 100
+
+    def test_progress_on_a_terminal_leaves_the_cursor_at_column_0_and_can_be_erased(
+            self, lab, monkeypatch):
+        class Terminal(io.StringIO):
+            def isatty(self):
+                return True
+        screen = Terminal()
+        monkeypatch.setattr(sys, "stderr", screen)
+        lab.progress("trace: replay 1")
+        shown = screen.getvalue()
+        lab.progress("")
+        erased = screen.getvalue()[len(shown):]
+        assert shown.startswith("\rtrace: replay 1") and shown.endswith("\r")
+        assert erased.strip() == "" and erased.endswith("\r")  # the line is blank again
 
     @needs_traces
     def test_on_the_conversation_trace_no_policy_beats_the_optimum(self, lab):
