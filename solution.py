@@ -2294,7 +2294,8 @@ def demo_trace(path, limit, block_size, index="hash"):
         print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
               f"optimum's {optimal:,}")
     center = THREE_M if THREE_M in sizes else optimal  # else the knee: the optimum's at KNEE
-    trace_gap([s for s in (center // 2, center, 2 * center) if longest <= s < roomy], rate, center)
+    near = sizes[max(0, sizes.index(center) - 1):sizes.index(center) + 2]  # and its neighbours
+    trace_gap([s for s in near if s < roomy], rate, center)  # where policies differ: they evict
     print(f"hash chain against radix tree, LRU, {center:,} blocks:")
     for with_index, work in (("hash", "hashes looked up"), ("radix", "child look-ups")):
         pool = replay("lru", center, with_index)
