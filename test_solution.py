@@ -367,6 +367,13 @@ class TestPart4Checks:
         with pytest.raises(AssertionError, match="block count"):
             lab.check_invariants(pool, [a])
 
+    def test_check_invariants_finds_a_block_in_use_that_no_table_holds(self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        a = lab.Sequence("a", pool, range(6))
+        pool.allocate()  # a leak: in use, in no block table
+        with pytest.raises(AssertionError, match="ref-count"):
+            lab.check_invariants(pool, [a])
+
     @pytest.mark.parametrize("block_size, seed", [(1, 0), (2, 1), (3, 2), (4, 3), (16, 4)])
     def test_random_operations_against_a_list_model(self, lab, block_size, seed):
         counts = lab.fuzz(lab.BlockAllocator(10, block_size), random.Random(seed), 600)
@@ -463,6 +470,16 @@ class TestPart6Cache:
         a.free()
         assert pool.share_cached_prefix([*range(8), *range(50, 55)]) == (first_two, 8)
         assert (pool.hits, pool.misses) == (2, 3)  # a: 2 misses; the lookup: 2 hits, 1 miss
+
+    @pytest.mark.parametrize("index", INDEXES)
+    @pytest.mark.parametrize("prompt, exception", [
+        ([True, 2, 3, 4, 5], TypeError),  # True == 1: a match by == would take the cached block
+        ([1, 2, 3, 4, -1], ValueError), ([1, 2, 3, 4, "a"], TypeError)])  # after the cached one
+    def test_a_caching_pool_refuses_bad_token_ids_in_or_after_a_cached_prefix(
+            self, lab, index, prompt, exception):
+        pool = caching(lab, 8, index=index)
+        lab.Sequence("a", pool, [1, 2, 3, 4, 5]).free()  # block [1, 2, 3, 4] stays cached
+        refused(lambda: lab.Sequence("b", pool, prompt), exception, pool)
 
     @pytest.mark.parametrize("block", [True, 1.0, 3, 9])
     def test_a_caching_pool_refuses_to_free_what_is_no_block_in_use(self, lab, block):
