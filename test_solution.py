@@ -624,6 +624,33 @@ class TestPart6Cache:
         lab.Sequence("d", pool, [7, 7, 7, 7])  # [5 6], then its parent, now a leaf
         assert pool.evictions == 3 and len(pool.index) == 2 and pool.index.match([1, 2])[0] == []
 
+    @pytest.mark.parametrize("index, work", [("hash", 3), ("radix", 2)])
+    def test_the_work_of_admission_counts_hashes_looked_up_or_children_visited(self, lab, index,
+                                                                               work):
+        pool = caching(lab, 8, 4, index=index)
+        lab.Sequence("a", pool, range(8))  # hash: 1 look-up, a miss; radix: the root's children
+        lab.Sequence("b", pool, range(9))  # hash: 2 hits; radix: one child, then along its run
+        assert pool.stats.work == work
+
+    def test_a_block_that_fills_a_hole_in_a_run_takes_its_place_without_a_split(self, lab):
+        index = lab.RadixIndex(2)
+        index.insert(10, None, [1, 2])
+        index.insert(11, 10, [3, 4])  # one node: [1 2 3 4]
+        index.uncache(11)  # a hole where [3 4] was offered
+        assert index.insert(12, 10, [3, 4]) and index.holds(12) and len(index) == 1
+
+    def test_fifo_rebuilds_its_heap_of_stale_entries_and_still_evicts_oldest_cached_first(
+            self, lab):
+        fifo = lab.FIFO()
+        for block in range(4):
+            fifo.cached(block, [block])
+            fifo.freed(block, 0)
+        for block in [3, 2, 1, 0, 3]:  # each hit and free leaves a stale entry behind
+            fifo.hit(block)
+            fifo.freed(block, 0)
+        assert len(fifo.heap) <= 2 * len(fifo)  # rebuilt: O(1) amortized per free
+        assert [fifo.victim(0) for _ in range(4)] == [0, 1, 2, 3]
+
     def test_a_token_level_match_reuses_a_partial_block_through_a_copy(self, lab):
         pool = caching(lab, 8, 4, index=lab.RadixIndex(4, token_level=True))
         a = lab.Sequence("a", pool, range(6))
