@@ -960,6 +960,33 @@ class TestPart11Trace:
         once = trace(lab, [3], [3], [3], [2], [1], [2])  # 2 seen once: S3-FIFO's small drops it
         assert (hits(lab, once, 3, "lru"), hits(lab, once, 3, "s3fifo")) == (3, 2)
 
+    def test_s3fifo_remembers_a_block_small_evicted_and_brings_its_tokens_back_to_main(self, lab):
+        policy = lab.S3FIFO()
+        def cache_and_free(block, tokens):
+            policy.cached(block, tokens)
+            policy.freed(block, 0)
+        cache_and_free(0, [0])
+        cache_and_free(1, [1])
+        assert policy.victim(0) == 0 and (0,) in policy.ghost  # seen once: out, remembered
+        cache_and_free(5, [0])  # the same tokens in another block: straight to main
+        assert 5 in policy.main and (0,) not in policy.ghost
+        cache_and_free(2, [2])
+        assert [policy.victim(0) for _ in range(3)] == [1, 2, 5]  # small first, main last
+
+    def test_s3fifo_moves_a_block_hit_twice_while_new_to_main_with_its_count_reset(self, lab):
+        policy = lab.S3FIFO()
+        policy.cached(0, [0])
+        policy.freed(0, 0)
+        for _ in range(2):  # block 0 is in use again, twice, while new
+            policy.hit(0)
+            policy.freed(0, 0)
+        policy.cached(1, [1])
+        policy.freed(1, 0)
+        assert policy.victim(0) == 1 and 0 in policy.main  # 0 moved to main, 1 went
+        policy.cached(5, [1])  # remembered: straight to main, behind 0
+        policy.freed(5, 0)
+        assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
+
     def test_a_window_of_one_saves_a_hit_lru_misses_and_the_optimum_beats_short_windows(self, lab):
         near = trace(lab, [1], [2], [3], [5], [2])  # 2 is needed by the very next prompt
         assert [hits(lab, near, 3, p) for p in ("lru", lab.Lookahead(0), lab.Lookahead(1))] == [
