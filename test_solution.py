@@ -651,6 +651,19 @@ class TestPart6Cache:
         assert len(fifo.heap) <= 2 * len(fifo)  # rebuilt: O(1) amortized per free
         assert [fifo.victim(0) for _ in range(4)] == [0, 1, 2, 3]
 
+    @pytest.mark.parametrize("corrupt", ["lost", "in use"])
+    def test_the_audit_finds_a_policy_that_disagrees_with_the_evictable_blocks(self, lab,
+                                                                             corrupt):
+        pool = caching(lab, 4)
+        lab.Sequence("a", pool, range(4)).free()  # block 0: cached, evictable
+        lab.audit(pool)
+        if corrupt == "lost":
+            del pool.policy.order[0]  # forgotten by the policy: never evicted
+        else:
+            pool.ref_cnt[0] = 1  # in use again, the policy not told: it could evict it
+        with pytest.raises(AssertionError):
+            lab.audit(pool)
+
     def test_a_token_level_match_reuses_a_partial_block_through_a_copy(self, lab):
         pool = caching(lab, 8, 4, index=lab.RadixIndex(4, token_level=True))
         a = lab.Sequence("a", pool, range(6))
