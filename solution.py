@@ -627,6 +627,12 @@ def reserve_max_len(pool, tokens, max_len):
     return blocks
 
 
+def written_share(pool):
+    """The share of the slots of blocks in use that hold a token, read from the KV cache."""
+    slots = [token for block in pool.ref_cnt for token in pool.read(block)]
+    return sum(token is not None for token in slots) / len(slots)
+
+
 def demo_memory(block_size, seed):
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
     naive_pool, paged_pool = (BlockAllocator(num_blocks, block_size) for _ in range(2))
@@ -637,8 +643,7 @@ def demo_memory(block_size, seed):
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
-    naive_written = naive * ACTUAL_LEN / (naive_pool.num_used * block_size)  # tokens / slots
-    paged_written = paged * ACTUAL_LEN / (paged_pool.num_used * block_size)
+    naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
     print(f"slots in use that hold a token: naive {naive_written:.1%} ({1 - naive_written:.1%} "
           f"reserved, never written), paged {paged_written:.1%}")
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} (a request "
