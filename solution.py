@@ -997,7 +997,7 @@ class FIFO(LRU):
                 return block
 
 
-class S3FIFO(LRU):
+class S3FIFO:
     """S3-FIFO (Yang et al., SOSP 2023): a block newly cached waits in a small FIFO queue;
     hit twice there, it moves to the main FIFO queue, else it leaves and is remembered in a
     ghost queue, and a block cached again while remembered starts in main. Main gives a
@@ -1010,7 +1010,6 @@ class S3FIFO(LRU):
     prefix for the same block (on a Mooncake trace tokens stand for their prefix)."""
 
     def __init__(self):
-        super().__init__()
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
         self.hits, self.in_main, self.content = {}, {}, {}  # per block
 
@@ -1075,7 +1074,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
-        self.policy = pick(POLICIES, policy, "policy", LRU)
+        self.policy = pick(POLICIES, policy, "policy", tuple(POLICIES.values()))
         if getattr(self.policy, "future", {}) is None:  # Part 11's Lookahead, without one
             raise ValueError("a look-ahead policy needs its future: replay_trace builds it")
         self.index = pick(INDEXES, index, "index", tuple(INDEXES.values()), block_size)
