@@ -778,9 +778,10 @@ class TestPart7Preemption:
                 lab.Scheduler(lab.BlockAllocator(8, 4), host, policy)
 
     @pytest.mark.parametrize("bad, exception", [
-        ((0, [1, -2], 2, 0), ValueError), ((0, [1], -1, 0), ValueError),
-        ((0, [1], 1, 1.5), TypeError), (("a", [1], 1, 0), TypeError),
-        ((0, iter([1]), 1, 0), TypeError)])  # a prompt is read more than once
+        ((0, [1, -2], 2, 1), ValueError),  # arrives after request 1 is running
+        ((0, [1], -1, 0), ValueError), ((0, [1], 1, 1.5), TypeError), (("a", [1], 1, 0), TypeError),
+        ((0, iter([1]), 1, 0), TypeError),  # a prompt is read more than once
+        ((0, {1, 2}, 1, 0), TypeError)])    # a set has no order
     def test_the_scheduler_refuses_a_bad_request_before_running_any(self, lab, bad, exception):
         gpu, host = lab.BlockAllocator(20, 2), lab.BlockAllocator(20, 2)
         scheduler = lab.Scheduler(gpu, host, "swap")
@@ -829,7 +830,9 @@ class TestPart7Preemption:
         lab.demo_evict(16, None)
         out = capsys.readouterr().out
         assert out.count(" of 8\n") == 3 and "2.01 requests/s" in out
-        assert all(f"\n   {size:>5} " in out for size in lab.EVICT_SIZES)
+        for size in lab.EVICT_SIZES:  # each row is the run at its own size, seed 5's
+            st = lab.run_policy("recompute", size, lab.preemption_workload(5), 0)
+            assert f"\n   {size:>5}  {st.preemptions:>11}  {st.recomputed_tokens:>15}  " in out
 
     def test_each_claim_of_7_3_is_scored_on_its_own_quantity(self, lab):
         def stats(tokens, blocks, steps=1):
