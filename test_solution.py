@@ -874,13 +874,17 @@ class TestPart8Beams:
         assert lab.parallel_sampling(8, [3, 3, 3, 3], 4).copies == 0
 
     def test_samples_end_at_their_own_lengths_and_the_pool_ends_whole(self, lab):
-        run = lab.parallel_sampling(9, [0, 2, 5], 4)
-        assert run.used < run.entries
+        run = lab.parallel_sampling(9, [0, 2, 5], 4)  # 3 blocks; the third holds 1 token
+        # entries, step by step: 0+3+3, 3+3, 3, 4, 4, 0; blocks in use: 4 (the first writer
+        # copies the third block, the second writes it in place), 4, 3 (one is done), 4, 4, 0
+        assert (run.used, run.entries, run.copies) == (19, 23, 1)
 
     @pytest.mark.parametrize("width, block_size", [(2, 1), (3, 4), (4, 16)])
     def test_beam_search_keeps_every_beam_readable_and_frees_the_pool(self, lab, width, block_size):
         run = lab.beam_search(7, width, 30, block_size, seed=width, check=True)
         assert 0 < run.used <= run.entries and (width == 2 or run.used < run.entries)
+        assert run.entries == sum(width * lab.cdiv(7 + step, block_size)  # width beams, each
+                                  for step in range(1, 31))  # one token longer every step
 
     def test_the_picture_shows_blocks_shared_across_beams(self, lab):
         picture = lab.beam_search(10, 4, 7, block_size=4).picture
