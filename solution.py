@@ -681,9 +681,9 @@ def demo_sharing(block_size, seed):
     before = block_map(pool, [a, b])
     b.append(99)
     check_invariants(pool, [a, b])  # raises unless ref-counts equal block-table references
-    print(f"copy-on-write   : divergence "
-          f"{'forked block' if b.block_table[-1] != a.block_table[-1] else 'WROTE IN PLACE'}; "
-          "refcounts correct")
+    where = "WROTE IN PLACE" if b.block_table[-1] == a.block_table[-1] else \
+        "forked block" if pool.num_copies > 0 else "new block"  # a's blocks all full: no copy
+    print(f"copy-on-write   : divergence {where}; refcounts correct")
     print(f"  a holds {n} tokens; b = a.fork('b'): both tables point at the same blocks "
           "[block:ref-count]", *before, sep="\n")
     print(f"  b.append(99) must not write into block {a.block_table[-1]}, which a still reads: "

@@ -431,6 +431,12 @@ class TestPart5Demos:
         assert all(lines in out for lines in SEED_LINES)
         assert out.index("== correctness") < out.index("== pitfalls") < out.index("== memory")
 
+    @pytest.mark.parametrize("block_size, where", [(1, "new block"), (3, "forked block")])
+    def test_the_sharing_demo_names_a_copy_only_where_one_was_made(self, lab, capsys,
+                                                                   block_size, where):
+        lab.demo_sharing(block_size, None)  # at size 1 every block is full: nothing to copy
+        assert f"copy-on-write   : divergence {where};" in capsys.readouterr().out
+
     def test_reserve_max_len_worked_example(self, lab):
         pool = lab.BlockAllocator(256, 16)
         blocks = lab.reserve_max_len(pool, list(range(768)), 2048)
