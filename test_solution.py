@@ -1041,8 +1041,24 @@ class TestPart11Trace:
                         lab.audit(pool)
                         assert pool.num_free == size and pool.hits <= best
 
+    def test_the_gap_table_narrows_the_look_ahead_that_recovers_half_the_lead(self, lab, capsys):
+        def rate(policy, size):  # LRU 25%, the optimum 75%; a window w recovers w / 400 of it
+            if type(policy) is int:
+                return 0.25 + 0.5 * min(1, policy / 400)
+            return {"lru": 0.25, "fifo": 0.4, "s3fifo": 0.3, "optimal": 0.75}[policy]
+        lab.trace_gap([10], rate, 10)
+        out = capsys.readouterr().out  # 300 recovers 75%, 100 25%; halved thrice: 176-200
+        assert "a look-ahead of 176-200 prompts" in out and "recovers 30%: more than" in out
+
+    def test_the_gap_table_says_when_lru_already_has_the_optimums_hits(self, lab, capsys):
+        lab.trace_gap([10, 20], lambda policy, size: 0.5, 10)
+        out = capsys.readouterr().out
+        assert "LRU already matches the optimum" in out and "half the lead" not in out
+        assert out.count("50.0% (   -)") == 2 * (len(lab.WINDOWS) + 4)  # no lead to share
+
     @pytest.mark.parametrize("line, where", [
         ("not json", ":2:"), ('{"timestamp": 0}', ":2:"),
+        ('{"timestamp": NaN, "input_length": 512, "output_length": 1, "hash_ids": [1]}', ":2:"),
         ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', ":2:"),
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', ":2:"),
         ('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["a"]}', ":2:"),
@@ -1060,6 +1076,8 @@ class TestPart11Trace:
     def test_a_trace_that_is_not_text_or_has_no_full_id_is_refused(self, lab, tmp_path, capsys):
         binary, short = tmp_path / "b.jsonl", tmp_path / "s.jsonl"
         binary.write_bytes(b"\xff\xfe\n")
+        with pytest.raises(ValueError):
+            lab.load_trace(str(binary))  # not an empty trace: nothing in it was read
         short.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, '
                          '"hash_ids": [1]}\n')
         for path in (binary, short):
@@ -1076,16 +1094,18 @@ class TestPart11Trace:
                          f'"output_length": 40, "hash_ids": {ids}}}\n')
         path.write_text("".join(lines))
         lab.main(["trace", str(path)])
-        out = capsys.readouterr().out
+        out, err = capsys.readouterr()
         assert "the ceiling" in out and "lookahead 100" in out
         assert max(len(line) for line in out.splitlines()) <= 100
+        assert err.startswith("trace: replay 1 (lru, ")  # not a terminal: a line each
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
 
     def test_progress_on_a_terminal_leaves_the_cursor_at_column_0_and_can_be_erased(
             self, lab, monkeypatch):
-        class Terminal(io.StringIO):
-            def isatty(self):
-                return True
-        screen = Terminal()
+        screen = self.Terminal()
         monkeypatch.setattr(sys, "stderr", screen)
         lab.progress("trace: replay 1")
         shown = screen.getvalue()
@@ -1093,6 +1113,17 @@ class TestPart11Trace:
         erased = screen.getvalue()[len(shown):]
         assert shown.startswith("\rtrace: replay 1") and shown.endswith("\r")
         assert erased.strip() == "" and erased.endswith("\r")  # the line is blank again
+
+    def test_a_trace_on_a_terminal_erases_each_progress_line_before_stdout_prints(
+            self, lab, tmp_path, monkeypatch):
+        path = tmp_path / "t.jsonl"  # three conversations, four turns each
+        path.write_text("".join(f'{{"timestamp": 0, "input_length": 1024, "output_length": 1, '
+                                f'"hash_ids": [{k % 3}, {k % 3 + 10}]}}\n' for k in range(12)))
+        screen = self.Terminal()
+        monkeypatch.setattr(sys, "stderr", screen)
+        lab.main(["trace", str(path)])
+        shown = screen.getvalue()
+        assert shown.count("\rtrace: replay ") == shown.count("\r" + " " * 70 + "\r") > 0
 
     @needs_traces
     def test_on_the_conversation_trace_no_policy_beats_the_optimum(self, lab):
