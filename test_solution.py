@@ -380,6 +380,39 @@ class TestPart4Checks:
         ops = {"create", "append", "extend", "fork", "share", "raw share", "free", "refused"}
         assert ops <= set(counts)
 
+    @pytest.fixture
+    def reordering(self, lab, monkeypatch):
+        real = lab.BlockAllocator.ensure_free
+        def ensure_free(pool, n):  # invariants hold: only the snapshot can tell
+            if n > pool.num_free:
+                pool.free_block_ids.reverse()  # touched before it refuses
+            real(pool, n)
+        monkeypatch.setattr(lab.BlockAllocator, "ensure_free", ensure_free)
+
+    def test_the_fuzzer_catches_a_refusal_that_changed_the_pool(self, lab, reordering):
+        with pytest.raises(AssertionError, match="atomicity"):
+            for seed in range(10):
+                lab.fuzz(lab.BlockAllocator(10, 4), random.Random(seed), 300)
+
+    def test_the_checks_section_runs_the_fuzzer(self, lab, reordering):
+        with pytest.raises(AssertionError, match="atomicity"):
+            lab.run_checks(16, None)
+
+    def test_a_pitfall_line_the_code_does_not_have_is_refused(self, lab):
+        with pytest.raises(ValueError):  # a learner's own code: commit that bug by hand
+            lab.commit_bug(lab.BlockAllocator.free, "not a line of it", "pass")
+
+    def test_the_boundary_check_catches_an_append_that_takes_a_block_early(self, lab,
+                                                                          monkeypatch):
+        class Early(lab.Sequence):  # its second block, one token before the first is full
+            def append(self, token):
+                if len(self) == self.allocator.block_size - 1:
+                    self.block_table.append(self.allocator.allocate())
+                super().append(token)
+        monkeypatch.setattr(lab.module, "Sequence", Early)
+        with pytest.raises(AssertionError):
+            lab.check_block_boundary([3])
+
     @pytest.mark.parametrize("number", range(4))
     def test_each_pitfall_is_caught_by_the_oracle(self, lab, number):
         _, method, line, bug = lab.PITFALLS[number]
