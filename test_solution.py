@@ -734,6 +734,7 @@ class TestPart6Cache:
             "0:1* 1:1* 2:1* 3:-* 4:1* 5:-* 6:1* 7:1* 8:1* 9:1"]
         out = capsys.readouterr().out
         assert "2 hits" in out and "3 hits" in out and "ours differ" in out
+        assert "t3 request 0: 2 more decoded " in out and "t5 request 0 freed " in out
 
     def test_the_cache_section_prints_both_indexes_and_the_same_214_blocks(self, lab, capsys):
         lab.demo_cache(16, None)
@@ -742,6 +743,17 @@ class TestPart6Cache:
         rows = re.findall(r"^ +\d+ +([\d.]+)%, ([\d.]+)%", out, re.MULTILINE)
         assert len(rows) == 4 and all(h == r for h, r in rows)
         assert "longest prefix" in out and "token-level" in out
+        assert all(f"\n{part}. " in out for part in range(1, 7))  # every part of the section
+        orders = re.findall(r"^   (?:arrival|longest prefix) +hash +(\d+) +(\d+)$", out,
+                            re.MULTILINE)
+        assert len(orders) == 2 and orders[0] != orders[1]  # the order changes what hits
+
+    def test_a_chat_prompt_is_its_conversation_so_far_and_a_new_question(self, lab):
+        stream, n = lab.chat_stream(4), lab.CHAT_CONVERSATIONS  # round robin: turn t at t * n
+        for i in range(n, len(stream)):
+            (before, answer), (prompt, _) = stream[i - n], stream[i]
+            assert prompt[:len(before) + len(answer)] == before + answer
+            assert len(prompt) == len(before) + len(answer) + lab.CHAT_QUESTION_LEN
 
     def test_token_level_matching_reuses_at_least_full_blocks_and_copies_only_off_boundaries(
             self, lab):
