@@ -1161,7 +1161,7 @@ class TestPart11Trace:
 
     def test_a_trace_on_a_terminal_erases_each_progress_line_before_stdout_prints(
             self, lab, tmp_path, monkeypatch):
-        path = tmp_path / "t.jsonl"  # three conversations, four turns each
+        path = tmp_path / "t.jsonl"  # three two-block prompts, each sent four times
         path.write_text("".join(f'{{"timestamp": 0, "input_length": 1024, "output_length": 1, '
                                 f'"hash_ids": [{k % 3}, {k % 3 + 10}]}}\n' for k in range(12)))
         screen = self.Terminal()
