@@ -2154,7 +2154,7 @@ class Lookahead(LRU):
     def __init__(self, window, future=None):
         super().__init__()  # order: the blocks no prompt in the window uses, LRU first
         self.window, self.future = window, future
-        self.tokens, self.key = {}, {}  # block -> its tokens; evictable block -> (use, seq)
+        self.uses, self.key = {}, {}  # block -> its tokens' uses; evictable -> (use, seq)
         self.near, self.later = [], []  # heaps of (-use, seq, block), (use, seq, block)
         self.count = itertools.count()  # when each block was freed
 
@@ -2165,10 +2165,10 @@ class Lookahead(LRU):
         return block in self.key
 
     def cached(self, block, token_ids):
-        self.tokens[block] = tuple(token_ids)
+        self.uses[block] = self.future.get(tuple(token_ids), ())
 
     def freed(self, block, now):
-        uses = self.future.get(self.tokens.get(block), ())
+        uses = self.uses[block]
         i = bisect.bisect_left(uses, now)  # the first use after the prompts admitted so far
         use, seq = uses[i] if i < len(uses) else math.inf, next(self.count)
         self.key[block] = (use, seq)
