@@ -1107,7 +1107,8 @@ class PrefixCachingAllocator(BlockAllocator):
             self.policy.hit(block)
         for block in blocks[:full]:
             ref_cnt[block] = ref_cnt.get(block, 0) + 1  # a revived block had no ref-count
-        if reused % size > 0:  # the match ends inside a block: a private copy of it
+        if reused % size > 0:  # the match ends inside a block: a private copy of it (a full
+            # pool may evict that very block for it: copied onto itself, its tokens intact)
             blocks[full] = self.copy_block(blocks[full])
         self.stats.hits += full
         self.stats.misses += len(token_ids) // size - full

@@ -714,6 +714,14 @@ class TestPart6Cache:
         assert c.read() == [0, 1, 2, 3, 4, 70] and pool.stats.partial == 3
         lab.check_invariants(pool, [b, c])
 
+    def test_a_token_level_copy_on_a_full_pool_may_evict_its_own_source(self, lab):
+        pool = caching(lab, 2, 4, index=lab.RadixIndex(4, token_level=True))
+        lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6]).free()  # both blocks cached, evictable
+        b = lab.Sequence("b", pool, [1, 2, 3, 4, 5, 9])  # the copy of block 1 needs a block:
+        assert b.block_table == [0, 1] and pool.evictions == 1 and pool.num_copies == 1  # 1
+        assert b.read() == [1, 2, 3, 4, 5, 9] and pool.index.blocks() == [0]
+        lab.check_invariants(pool, [b])
+
     def test_policies_and_indexes_are_names_or_new_objects(self, lab):
         for bad, exception in (({"policy": "mru"}, ValueError), ({"policy": "optimal"}, ValueError),
                                ({"index": "tree"}, ValueError), ({"policy": 3}, TypeError),
