@@ -1845,12 +1845,9 @@ def prefix_reuse_lost(block_size):
 def sweet_spot(fragmentation, budget):
     """Tables, copies and per-block work shrink as blocks grow, so grow them until the waste
     bites: the last size, going up, before fragmentation reaches budget (None if the first)."""
-    best = None
-    for size in sorted(fragmentation):
-        if fragmentation[size] >= budget:
-            break
-        best = size
-    return best
+    sizes = sorted(fragmentation)
+    fits = list(itertools.takewhile(lambda size: fragmentation[size] < budget, sizes))
+    return fits[-1] if len(fits) > 0 else None
 
 
 def demo_sweep(block_size, seed):
