@@ -2176,6 +2176,12 @@ class Lookahead(LRU):
             self.order[block] = None
             if use < math.inf:
                 heapq.heappush(self.later, (use, seq, block))
+        if len(self.near) + len(self.later) > 2 * len(self.key):  # mostly stale: rebuild, as FIFO
+            live = [(use, seq, block) for block, (use, seq) in self.key.items()]
+            self.near = [(-use, seq, block) for use, seq, block in live if block not in self.order]
+            self.later = [entry for entry in live if entry[2] in self.order and entry[0] < math.inf]
+            heapq.heapify(self.near)
+            heapq.heapify(self.later)
 
     def hit(self, block):
         del self.key[block]  # its heap entries are now stale, skipped when popped

@@ -1010,6 +1010,12 @@ def hits(lab, requests, num_blocks, policy, block_size=2):
 
 class TestPart11Trace:
 
+    def test_a_look_ahead_keeps_at_most_two_heap_entries_per_evictable_block(self, lab):
+        for window in (1, 1000):  # each request revives [1, 2], leaving two stale entries
+            pool = lab.replay_trace(trace(lab, *[[1, 2]] * 50), 4, lab.Lookahead(window), 2)
+            policy = pool.policy
+            assert len(policy.near) + len(policy.later) <= 2 * len(policy.key) == 4
+
     def test_a_pool_refuses_a_look_ahead_that_has_no_future(self, lab):
         with pytest.raises(ValueError):
             lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3))  # replay_trace gives it one
