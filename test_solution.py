@@ -8,10 +8,13 @@ block tables do, each sequence must read back exactly that list.
 """
 
 import ast
+import gc
+import hashlib
 import importlib.util
 import io
 import os
 import pathlib
+import pickle
 import random
 import re
 import subprocess
@@ -996,6 +999,36 @@ class TestPart10Bench:
         lab.demo_bench(block_size, None)
         out = capsys.readouterr().out
         assert out.count("x\n") >= 9 and "SHA-256 + a look-up" in out and "bytes a block" in out
+
+    def test_ns_per_op_times_each_run_with_the_collector_off_and_keeps_the_best(self, lab,
+                                                                              monkeypatch):
+        clock, seen = [0.0], []
+        monkeypatch.setattr(lab.module.time, "perf_counter", lambda: clock[0])
+        def setup(name, costs):  # each run moves the clock by its next cost, in seconds
+            def run():
+                seen.append((name, gc.isenabled()))
+                clock[0] += costs.pop(0)
+            return run, 2  # operations a run
+        benches = [(setup, "a", [3e-6, 1e-6, 2e-6]), (setup, "b", [8e-6, 4e-6, 6e-6])]
+        best = lab.ns_per_op(benches, 3)
+        assert best == pytest.approx([500, 2000])  # the best run's seconds / 2 operations, in ns
+        assert seen == [("a", False), ("b", False)] * 3 and gc.isenabled()
+
+    def test_the_floor_and_the_scan_do_only_their_own_work(self, lab, monkeypatch):
+        def refuse(*args):
+            raise AssertionError("the floor or the scan used the lab's classes")
+        for name in ("Sequence", "BlockAllocator", "PrefixCachingAllocator"):
+            monkeypatch.setattr(lab.module, name, refuse)
+        pickled, sha256 = [], hashlib.sha256
+        monkeypatch.setattr(hashlib, "sha256", lambda data: pickled.append(data) or sha256(data))
+        run, ops = lab.bench_admission(100, [list(range(40)), [5] * 16], 16, floor=True)
+        run()  # 2 full blocks of the first prompt, 1 of the second
+        assert ops == len(pickled) == 3
+        assert pickle.loads(pickled[1]) == (sha256(pickled[0]).digest(), tuple(range(16, 32)))
+        assert pickle.loads(pickled[2]) == (lab.NONE_HASH, (5,) * 16)  # a new prompt: no parent
+        run, ops = lab.bench_allocate_free(100, 5, 0.9, scan=True)
+        run()
+        assert ops == 5
 
 
 def trace(lab, *id_lists, output=256):
