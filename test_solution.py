@@ -1277,6 +1277,20 @@ class TestCommandLine:
                              capture_output=True, text=True, check=False)
         assert run.stdout.count("\n") == 2 and "Traceback" not in run.stderr
 
+    def test_starter_on_the_command_line_writes_the_file_or_names_why_not(self, lab, capsys,
+                                                                          tmp_path):
+        assert lab.main(["starter", "2", str(tmp_path / "mine.py")]) is None
+        assert "raise NotImplementedError" in (tmp_path / "mine.py").read_text()
+        with pytest.raises(SystemExit):
+            lab.main(["starter", "2", str(tmp_path)])  # a folder: the OSError names it
+        assert str(tmp_path) in capsys.readouterr().err
+
+    def test_the_sections_named_run_in_that_order_a_blank_line_apart(self, lab, capsys):
+        lab.main(["sharing", "memory"])
+        out = capsys.readouterr().out
+        assert out.startswith("== prefix sharing") and "refcounts correct" in out
+        assert out.count("\n\n== memory efficiency") == 1 and out.count("\n\n") == 1
+
     def test_the_starter_keeps_signatures_and_docstrings_and_blanks_the_bodies(self, lab,
                                                                               tmp_path):
         path = tmp_path / "mine.py"
