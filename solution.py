@@ -707,15 +707,16 @@ NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's nam
 
 
 def hash_block_tokens(parent_hash, token_ids):
-    """The block hash of a full block: SHA-256 of its parent's block hash (None for a first
-    block) and its tokens. Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None,
+    """The block hash of a full block: the SHA-256 digest of the pickled pair (its parent's
+    hash, NONE_HASH for a first block (None); its tokens as a tuple, so a list hashes alike).
+    Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None,
     [1, 2, 3, 4]), h1 = hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6,
     7, 8 has the same second block of tokens after another parent: its hash is not h1.
     NOTE: chaining makes a hash cover every token up to the end of its block, so equal
     tokens after a different history never match (their KV differs). SHA-256, not Python's
     hash(): a collision would hand a prompt another prompt's KV, and 64-bit hashes can be
     collided on purpose (vLLM moved to SHA-256 after a 2025 advisory showed it). Like vLLM
-    we trust it, compare no tokens on a hit, and hash the pickled (parent, tokens) pair."""
+    we trust it, compare no tokens on a hit, and pickle at pickle.HIGHEST_PROTOCOL."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
     return hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -729,7 +730,7 @@ class HashIndex:
         self.cached = {}      # block hash -> block (vLLM: cached_block_hash_to_block)
         self.block_hash = {}  # block -> its block hash
 
-    def __len__(self):
+    def __len__(self):  # the block hashes cached
         return len(self.cached)
 
     def match(self, token_ids):
@@ -747,8 +748,9 @@ class HashIndex:
         return blocks, len(blocks) * size, len(blocks)
 
     def insert(self, block, parent, token_ids):
-        """Remember a full block after parent; True if it is now the one offered. NOTE: if
-        another block holds these tokens already, it stays the one (vLLM v1 keeps both)."""
+        """Remember a full block after parent; True if it is now the one offered (a partly
+        full block: False). NOTE: if another block holds these tokens already, it stays the
+        one (vLLM v1 keeps both)."""
         if len(token_ids) < self.block_size:
             return False  # only full blocks are cached, as in vLLM
         parent_hash = None if parent is None else self.block_hash[parent]
@@ -945,9 +947,10 @@ class RadixIndex:
 
 
 class LRU:
-    """Evictable blocks, least recently freed first: vLLM's order (its free queue gives its
-    head). Every policy is told when a block is cached, freed (evictable: its last reference
-    is gone) or hit (in use again), and names the victim; now counts prompts admitted."""
+    """order: the evictable blocks (an OrderedDict), least recently freed first, vLLM's order
+    (its free queue gives its head). Every policy is told when a block is cached, freed
+    (evictable: its last reference is gone) or hit (an evictable block is in use again), and
+    names the victim; now counts prompts admitted."""
 
     def __init__(self):
         self.order = OrderedDict()  # block -> None, least recently freed first
@@ -1068,8 +1071,9 @@ class CacheStats:
 
 class PrefixCachingAllocator(BlockAllocator):
     """A block pool that remembers full blocks, so later prompts with the same tokens reuse
-    them. policy is a name in POLICIES or a new policy object; index a name in INDEXES or
-    a new index of this block size. Invariant: a block the index offers is in use or
+    them. policy is a name in POLICIES or a new policy object (ValueError for a look-ahead
+    without its future, Part 11); index a name in INDEXES or a new index of this block size
+    (else ValueError). Invariant: a block the index offers is in use or
     evictable; an evictable block is free (counted in num_free) but kept until needed."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
@@ -1094,10 +1098,11 @@ class PrefixCachingAllocator(BlockAllocator):
         block_size 4, "a" = tokens 0..9 left blocks [0, 1] cached; "b" = tokens 0..7 then
         50..54 finds both, misses its third full block: returns ([0, 1], 8), counts 2 hits
         and 1 miss; b's constructor then writes 50..54 into 2 new blocks.
-        NOTE: the hash index's hits need no token check: they are the ints a cached block
-        was given, checked when written. vLLM stops one token short (max_cache_hit_length
-        = num_tokens - 1) so that the model computes the last token's logits; this lab
-        counts memory, and reuses every block it finds."""
+        NOTE: only the tokens after the hits are checked, once: the hits are the ints a
+        cached block was given, checked when written, so the index's match sees the prompt
+        unchecked (a token pickle refuses is a miss). vLLM stops one token short
+        (max_cache_hit_length = num_tokens - 1) so that the model computes the last token's
+        logits; this lab counts memory, and reuses every block it finds."""
         blocks, reused, work = self.index.match(token_ids)
         check_tokens(token_ids[reused:])  # the hits are checked: their tokens were written
         size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
@@ -1167,7 +1172,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
 
 def pick(table, choice, what, kinds, *args):
-    """table[choice](*args) for a name, or choice itself if it is a new, empty kinds."""
+    """table[choice](*args) for a name in table, or choice itself if it is a new, empty
+    object of one of kinds (the table's classes); else ValueError (a name), TypeError."""
     if isinstance(choice, str):
         if choice not in table:
             raise ValueError(f"{what} must be one of {', '.join(table)}, got {choice!r}")
