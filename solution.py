@@ -707,11 +707,11 @@ NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's nam
 
 
 def hash_block_tokens(parent_hash, token_ids):
-    """The block hash of a full block: the SHA-256 digest of the pickled pair (its parent's
-    hash, NONE_HASH for a first block (None); its tokens as a tuple, so a list hashes alike).
-    Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None,
-    [1, 2, 3, 4]), h1 = hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6,
-    7, 8 has the same second block of tokens after another parent: its hash is not h1.
+    """The block hash of a full block: the SHA-256 digest of the pickled pair (parent_hash,
+    or NONE_HASH if it is None; the tokens as a tuple, so a list hashes as a tuple does).
+    Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
+    hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
+    second block of tokens after another parent: its hash is not h1.
     NOTE: chaining makes a hash cover every token up to the end of its block, so equal
     tokens after a different history never match (their KV differs). SHA-256, not Python's
     hash(): a collision would hand a prompt another prompt's KV, and 64-bit hashes can be
