@@ -1001,10 +1001,12 @@ class FIFO(LRU):
 
 
 class S3FIFO:
-    """S3-FIFO (Yang et al., SOSP 2023): a block newly cached waits in a small FIFO queue;
-    hit twice there, it moves to the main FIFO queue, else it leaves and is remembered in a
-    ghost queue, and a block cached again while remembered starts in main. Main gives a
-    block hit since another round, its count of hits (at most 3) lowered by one.
+    """S3-FIFO (Yang et al., SOSP 2023): a block newly cached waits in a small FIFO queue.
+    The victim comes from small while it holds >= 10% of the evictable blocks (or main is
+    empty): its head, unless hit twice, which moves to the main FIFO queue instead; an
+    evicted block's tokens join a ghost queue (as long as main is now, at least 1), and a
+    block cached again while remembered starts in main. Main gives a block hit since
+    another round, its count of hits (at most 3) lowered by one.
     NOTE: sizes and rules are the paper's code's (libCacheSim S3FIFOv0.c: small 10%, ghost
     as many entries as main, move to main at 2 hits). A prefix cache evicts only blocks
     nobody uses, so the queues hold evictable blocks and are sized against their number; a
