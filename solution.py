@@ -1409,7 +1409,7 @@ def swap_out(seq, host):
 
 
 def swap_in(seq_id, tokens, host_blocks, host, gpu):
-    """Copy host blocks back into new GPU blocks and rebuild the sequence over them."""
+    """Copy host blocks back into new GPU blocks, freeing them, and rebuild the sequence."""
     seq = Sequence(seq_id, gpu)
     seq.block_table.extend(gpu.allocate_many(len(host_blocks)))
     for host_block, gpu_block in zip(host_blocks, seq.block_table, strict=True):
@@ -1420,13 +1420,16 @@ def swap_in(seq_id, tokens, host_blocks, host, gpu):
 
 
 class Scheduler:
-    """Run requests to completion on a GPU pool, preempting when it runs out: the least recently
-    stepped request (ties: the latest arrival), by "recompute" or by "swap" to a host pool. Each
-    step: resume preempted requests, oldest first, while they fit; admit new ones; give every
-    running request one token. Admissions and resumes keep a 1% margin free (NOTE: vLLM v0's
-    watermark, int(0.01 * num_gpu_blocks); at least 1 here). NOTE: vLLM v1 preempts the latest
-    admitted (running.pop()) and always recomputes; the least recently stepped victim is ours,
-    so a resumed request is not the next victim; swap is vLLM v0's and the paper's."""
+    """Run requests to completion on a plain GPU pool (a prefix cache: TypeError), preempting
+    when it runs out: the least recently stepped request (ties: the latest arrival, then the
+    highest req_id), by "recompute" or by "swap" to a host pool of its block size (else
+    ValueError). Each step: resume preempted requests, oldest first, while they fit; only if
+    none is left waiting, admit new ones in (arrival, req_id) order while they fit; give every
+    running request one token, in req_id order. finished: req_id -> its tokens. Admissions
+    and resumes keep a 1% margin free (NOTE: vLLM v0's watermark, int(0.01 * num_gpu_blocks);
+    at least 1 here). NOTE: vLLM v1 preempts the latest admitted (running.pop()) and always
+    recomputes; the least recently stepped victim is ours, so a resumed request is not the
+    next victim; swap is vLLM v0's and the paper's."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap"):
@@ -1441,8 +1444,8 @@ class Scheduler:
         self.stats = PreemptionStats()
 
     def run(self, requests):
-        """Serve requests until every one finishes; return req_id -> its tokens. Once per
-        scheduler. Refused up front, so that nothing changes and the loop below ends: a
+        """Serve requests until every one finishes; return finished. Once per scheduler (else
+        ValueError). Refused up front, so that nothing changes and the loop below ends: a
         request that is not Request(int, list/tuple/range of token ids, int >= 0, int >= 0),
         a req_id seen before, a request that could never fit the GPU pool's free blocks."""
         requests, seen = list(requests), set()
@@ -1542,7 +1545,8 @@ def draw_length(rng, mean, cap):
 
 
 def preemption_workload(seed):
-    """EVICT_REQUESTS requests with ShareGPT-like lengths, one arriving per step."""
+    """EVICT_REQUESTS requests with ShareGPT-like lengths, one arriving per step; drawn in
+    turn for each: its prompt's length, its prompt's tokens, its output's length."""
     rng, requests = random.Random(seed), []
     for i in range(EVICT_REQUESTS):
         prompt = draw_length(rng, SHAREGPT[1], MAX_SEQ_LEN // 2)
@@ -1575,8 +1579,11 @@ def recovery_seconds(stats, block_size, copies, latency_s):
 
 def claims_73(runs, copies):
     """The paper's three claims of 7.3, scored on recompute runs[seed, block size] at each
-    copy latency: claim -> one bool per (seed, latency) that can test it; and recovery's
-    largest share of the end-to-end time at 16-64."""
+    copy latency, over the sizes where the seed's run preempted: "shape" (recompute / swap
+    recovery below 1 at the smallest such size, above 1 at the largest), "20%" (at most
+    COMPARABLE at every size), "medium" (end to end, decode steps x DECODE_STEP_S + recovery,
+    within COMPARABLE either way at each size 16-64) -> one bool per (seed, latency) that can
+    test it; and recovery's largest share of the end-to-end time at 16-64."""
     outcomes, share = {"shape": [], "20%": [], "medium": []}, 0.0
     preempted = {key: stats for key, stats in runs.items() if stats.preemptions > 0}
     for s, lat in itertools.product(sorted({s for s, _ in preempted}), COPY_LATENCY_S):
