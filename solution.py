@@ -2073,9 +2073,10 @@ class TraceRequest:
 
 
 def load_trace(path, limit=None):
-    """The first limit requests (all if None) of a Mooncake-format JSONL file. ValueError
-    naming the line for anything malformed, or for a hash id after two different ids (an id
-    stands for its whole prefix); OSError if the file cannot be read."""
+    """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines
+    skipped. ValueError ("path:N: ...") for anything malformed (JSON nested too deep too), or
+    for a hash id after two different ids (an id stands for its whole prefix), or for a file
+    that is not UTF-8 ("path: ..."); OSError if the file cannot be read."""
     requests, before = [], {}  # hash id -> the id before it (None: a prompt's first)
     with open(path, encoding="utf-8") as lines:
         try:
@@ -2142,7 +2143,8 @@ def trace_decode_len(request, block_size):
 
 def trace_ceiling(requests):
     """(hits, full prompt blocks) of a cache that never forgets: in each request, the
-    leading full blocks whose id an earlier request already had."""
+    leading full blocks whose id an earlier request had as a full block (a partial last
+    block is never cached: decode tokens fill it)."""
     seen, hits, total = set(), 0, 0
     for request in requests:
         full, k = request.input_length // TRACE_ID_TOKENS, 0
@@ -2162,7 +2164,12 @@ class Lookahead(LRU):
     Lookahead(0) is LRU. Lookahead(math.inf) is Belady's offline optimum: farthest next use
     is optimal for a cache of equal pages, and a prefix cache adds only that a block hits
     when its parent does; every prompt that uses a block uses its parent, so a parent's
-    next use is never after its child's, and the tie goes to the child, freed first."""
+    next use is never after its child's, and the tie goes to the child, freed first.
+    State: key, evictable block -> (next use, when freed); order (LRU's), the blocks whose
+    use is outside the window; heaps near of (-use, when, block), the rest, farthest first,
+    and later of (use, when, block), order's blocks with a use, moved to near as the window
+    reaches them; both rebuilt when most entries are stale (a hit leaves one), so they hold
+    at most two per evictable block."""
 
     def __init__(self, window, future=None):
         super().__init__()  # order: the blocks no prompt in the window uses, LRU first
@@ -2240,8 +2247,9 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
     index): admit the prompt (trace_prompt; prompts: all of them, if the caller has them), append
     the decode tokens one at a time from a counter above every prompt token, free. policy "optimal"
-    is Lookahead(math.inf); a Lookahead without a future gets this trace's (trace_future, which
-    refuses ids that do not stand for one prefix, as load_trace does). Returns the pool."""
+    is Lookahead(math.inf); a Lookahead without a future is replaced by a new one of its window
+    with this trace's (trace_future, which refuses ids that do not stand for one prefix, as
+    load_trace does). Returns the pool."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal":
@@ -2266,7 +2274,8 @@ PAPER_MOONCAKE = [  # quoted, with the trace each refers to
 
 
 def progress(line):
-    """A line on stderr, rewritten in place when stderr is a terminal, where "" erases it."""
+    """A line on stderr; on a terminal, padded to 70 columns between two carriage returns, so
+    each line rewrites the last and "" erases it."""
     if sys.stderr.isatty():  # back to column 0: what stdout prints next starts there
         print(f"\r{line:<70}\r", end="", file=sys.stderr, flush=True)
     elif line != "":
@@ -2274,6 +2283,7 @@ def progress(line):
 
 
 def demo_trace(path, limit, block_size, index="hash"):
+    """Replay path's requests at each pool size and policy the tables print, each once."""
     requests = load_trace(path, limit)
     ceiling, total = trace_ceiling(requests)
     if ceiling == 0:  # no full prompt block (a hash id) comes twice
@@ -2336,7 +2346,9 @@ def demo_trace(path, limit, block_size, index="hash"):
 
 def trace_gap(sizes, rate, center):
     """Online policies against LRU and the optimum, rate(policy, size) each: hit rate, and
-    the share of the optimum's lead over LRU recovered; then the look-ahead for half of it."""
+    the share of the optimum's lead over LRU recovered ("-" where LRU has the optimum's hits);
+    then the look-ahead for half of it at center, narrowed by halving thrice between the
+    windows either side of half."""
     print(f"online policies around {center:,} blocks: hit rate (the share of the optimum's lead "
           "over LRU")
     print("   recovered); lookahead W: evict the block whose next use in the next W prompts is "
