@@ -1113,6 +1113,12 @@ class TestPart11Trace:
         assert [hits(lab, far, 3, lab.Lookahead(w)) for w in range(4)] == [1] * 4
         assert hits(lab, far, 3, "optimal") == hits(lab, far, 3, lab.Lookahead(6)) == 2
 
+    def test_the_ceiling_counts_an_id_only_once_it_was_a_full_block(self, lab):
+        requests = [lab.TraceRequest(0, 512 + 100, 4, [1, 2]),  # id 2: a partial last block
+                    lab.TraceRequest(1, 1024, 4, [1, 2])]       # id 2 full: not seen full yet
+        assert lab.trace_ceiling(requests) == (1, 3)
+        assert hits(lab, requests, 100, "lru") == 1  # decode tokens filled the partial block
+
     def test_with_room_for_everything_every_policy_reaches_the_ceiling(self, lab):
         requests = trace(lab, [1, 2], [1, 3], [1, 2, 4], [5], [1, 2, 4, 6])
         assert lab.trace_ceiling(requests) == (6, 12)  # 1; 1, 2; 1, 2, 4 were seen before
