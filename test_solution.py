@@ -775,6 +775,12 @@ class TestPart6Cache:
 
 class TestPart7Preemption:
 
+    def test_the_workload_draws_a_prompt_length_its_tokens_then_an_output_length(self, lab):
+        rng, first = random.Random(5), lab.preemption_workload(5)[0]
+        prompt = lab.draw_length(rng, lab.SHAREGPT[1], lab.MAX_SEQ_LEN // 2)
+        assert first.prompt == lab.random_tokens(rng, prompt) and first.arrival == 0
+        assert first.max_tokens == lab.draw_length(rng, lab.SHAREGPT[2], lab.MAX_SEQ_LEN - prompt)
+
     def requests(self, lab, lengths):
         return [lab.Request(i, list(range(100 * i, 100 * i + p)), o, i)
                 for i, (p, o) in enumerate(lengths)]
