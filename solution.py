@@ -1424,8 +1424,8 @@ class Scheduler:
     when it runs out: the least recently stepped request (ties: the latest arrival, then the
     highest req_id), by "recompute" or by "swap" to a host pool of its block size (else
     ValueError). Each step: resume preempted requests, oldest first, while they fit; only if
-    none is left waiting, admit new ones in (arrival, req_id) order while they fit; give every
-    running request one token, in req_id order. finished: req_id -> its tokens. Admissions
+    none is left waiting, admit arrived ones in (arrival, req_id) order while they fit; give
+    every running request one token, in req_id order. finished: req_id -> its tokens. Admissions
     and resumes keep a 1% margin free (NOTE: vLLM v0's watermark, int(0.01 * num_gpu_blocks);
     at least 1 here). NOTE: vLLM v1 preempts the latest admitted (running.pop()) and always
     recomputes; the least recently stepped victim is ours, so a resumed request is not the
