@@ -784,8 +784,11 @@ def common_prefix(a, b):
 
 
 class RadixNode:
-    """Entry i of its lists is position start + i of a prompt; a split leaves the entries
-    before first to the node above (cutting them off would cost the rest of the node)."""
+    """A run of blocks: entry i of blocks (the block offered there; None: a hole), of holders
+    (a set: the blocks in use or cached with its tokens) and of tokens (a flat list, block_size
+    a block; a partial last block: fewer) is position start + i of a prompt. children maps a
+    first block's tokens (a tuple) to a node; parent is the node above. A split leaves the
+    entries before first to the node above (cutting them off would cost the rest of the node)."""
 
     def __init__(self, parent, start, token_ids, blocks, holders):
         self.parent, self.start, self.first = parent, start, 0  # first: its first entry
@@ -813,7 +816,9 @@ class RadixIndex:
     paged; ref-counts stay per block, so there are no node locks (lock_ref) and match leaves
     the tree as it is (SGLang splits there too, to lock the path). The policy evicts a block
     at a time, so the hits equal the hash chain's (SGLang: whole leaves, oldest first); a
-    block evicted inside a run leaves a hole that the same tokens fill again."""
+    block evicted inside a run leaves a hole that the same tokens fill again.
+    State: root, a node of no tokens; place, block -> (node, position counted from the
+    prompt's start); nodes, the nodes below the root (its len)."""
 
     def __init__(self, block_size, token_level=False):
         self.block_size, self.token_level = block_size, token_level
@@ -830,7 +835,8 @@ class RadixIndex:
         return node, position - node.start
 
     def match(self, token_ids):
-        """(cached blocks of the prompt's leading blocks, tokens they hold, child look-ups)."""
+        """(cached blocks of the prompt's leading blocks, tokens they hold, child look-ups).
+        It compares tokens with ==, under which True == 1.0 == 1: it checks them first."""
         check_tokens(token_ids)  # it compares tokens with ==, under which True == 1.0 == 1
         size, node, i, blocks, visited = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
@@ -861,7 +867,9 @@ class RadixIndex:
         return blocks, reused, visited
 
     def insert(self, block, parent, token_ids):
-        """Give block its place after parent's; True if the tree now offers it."""
+        """Give block its place after parent's (a block given one again, refilled after a
+        partial share, leaves its old place); a full block after a childless node's last
+        block grows that node. True if the tree now offers it."""
         size = self.block_size
         if len(token_ids) < size and not self.token_level:
             return False
@@ -1067,7 +1075,7 @@ class CacheStats:
     misses: int = 0     # full prompt blocks not found
     evictions: int = 0  # cached blocks handed to someone else
     prompts: int = 0    # prompts admitted: the clock a policy is told
-    work: int = 0       # the index's work: dict look-ups (hash) or nodes visited (radix)
+    work: int = 0       # the index's work: dict look-ups (hash) or child look-ups (radix)
     partial: int = 0    # tokens reused from inside a block (a token-level radix tree)
 
 
