@@ -1705,7 +1705,9 @@ class SharingRun:
 
 
 def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
-    """len(outputs) samples of one prompt, forked, each decoding its own number of tokens."""
+    """len(outputs) samples of one prompt (the first, and forks of it), each decoding its own
+    number of tokens: at each step a sample at its length is freed, the others append a token,
+    then the step is counted (a freed sample holds no entries; the prefill is no step)."""
     rng, run = random.Random(seed), SharingRun()
     pool = BlockAllocator(len(outputs) * cdiv(prompt_len + max(outputs), block_size), block_size)
     samples = [Sequence(0, pool, random_tokens(rng, prompt_len))]
@@ -1723,8 +1725,9 @@ def parallel_sampling(prompt_len, outputs, block_size=BLOCK_SIZE, seed=6):
 
 def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, check=False):
     """Beam search with pruning over seeded random scores (no model): each step every beam proposes
-    width candidates, the best width survive, a parent chosen by several is forked, a parent chosen
-    by none is freed. Every beam reads back its own history (with check, after every step)."""
+    width candidates, each its beam's log-prob + log(1 - rng.random()), drawn beam by beam; the
+    best width survive, best first; a parent chosen by several is forked, a parent chosen by none
+    is freed. Every beam reads back its own history (with check, after every step)."""
     rng, run, ids = random.Random(seed), SharingRun(), itertools.count(1)
     pool = BlockAllocator(width * (cdiv(prompt_len + output_len, block_size) + 1), block_size)
     beams = [(0.0, Sequence(0, pool, random_tokens(rng, prompt_len)))]  # (log-prob, beam)
@@ -1753,8 +1756,10 @@ def beam_search(prompt_len, width, output_len, block_size=BLOCK_SIZE, seed=7, ch
 
 
 def sharing_saving(dataset, kind, width, seed, block_size):
-    """The saving over a trace of requests with lengths drawn around dataset's means: blocks
-    saved by sharing over blocks needed without it, summed over every request's steps."""
+    """The saving over a trace of requests, their lengths drawn by draw_length from one
+    Random(seed) around dataset's means (prompts capped at MAX_SEQ_LEN // 2, outputs at the
+    rest), request r's run seeded seed * 1000 + r: blocks saved by sharing over blocks needed
+    without it, summed over every request's steps."""
     _, prompt_mean, output_mean = dataset
     rng, used, entries = random.Random(seed), 0, 0
     for request in range(SHARING_REQUESTS[dataset, kind]):
@@ -1780,6 +1785,8 @@ def versus(low, high, paper_low, paper_high):
 
 
 def demo_beam(block_size, seed):
+    """Copies per fork, a beam search's block map, then the 6.3 table over SHARING_SEEDS
+    seeds from 6 (or from seed)."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
     print(f"1. a prompt forked into {samples} samples that each decode 8 tokens:")
