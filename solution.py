@@ -538,6 +538,7 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
 
 
 def run_checks(block_size, seed):
+    """The checks at sizes 1, 3 and block_size: block boundary, sharing, fuzz (seeds i + seed)."""
     sizes = sorted({1, 3, block_size})  # the block sizes checked
     print("== correctness checks ==")
     print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
@@ -579,6 +580,7 @@ def commit_bug(method, line, bug):
 
 
 def demo_pitfalls(block_size, seed):
+    """Each of PITFALLS committed by commit_bug, and the step of sharing_scenario that fails."""
     size = max(3, block_size)
     print(f"== pitfalls: each classic bug committed, and what catches it (block size {size}) ==")
     print(f"   a = Sequence('a', pool, range({size})); a.extend([{size}, {size + 1}]); "
@@ -634,6 +636,7 @@ def written_share(pool):
 
 
 def demo_memory(block_size, seed):
+    """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed)."""
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
     naive_pool, paged_pool = (BlockAllocator(num_blocks, block_size) for _ in range(2))
     request = random_tokens(rng, ACTUAL_LEN)
@@ -668,6 +671,7 @@ def system_prompt_requests(pool, share, seed):
 
 
 def demo_sharing(block_size, seed):
+    """NUM_REQUESTS requests with and without share_prefix (seed 1), then a fork's copy."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone = system_prompt_requests(BlockAllocator(num_blocks, block_size), False, seed)
     shared = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
@@ -1232,6 +1236,8 @@ def serve(pool, stream):
 
 
 def demo_cache(block_size, seed):
+    """The six parts it prints: the sharing requests cached, vLLM's example, chained hashes,
+    the chat stream under pressure, token-level reuse, cache-aware order (seed 4)."""
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
     explicit = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
@@ -1612,6 +1618,8 @@ def claims_73(runs, copies):
 
 
 def demo_evict(block_size, seed):
+    """Recompute against swap at block_size (seed 5), then at EVICT_SIZES over EVICT_SEEDS
+    seeds, scored against the paper's 7.3."""
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     requests = preemption_workload(first)
     print(f"== evict: preemption by recompute vs swap ({len(requests)} ShareGPT-like requests, "
@@ -1881,6 +1889,8 @@ def sweet_spot(fragmentation, budget):
 
 
 def demo_sweep(block_size, seed):
+    """Prefix reuse lost; fragmentation, tables and fit by size (seeds from 8); the sweet
+    spots at three budgets; the paper's 7.2. It sweeps SWEEP_SIZES, whatever block_size."""
     first = 8 if seed is None else seed
     print("== sweep: block size against fragmentation, block-table size, capacity, prefix reuse ==")
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
@@ -2016,6 +2026,7 @@ def bench_admission(num_blocks, prompts, block_size, floor=False):
 
 
 def demo_bench(block_size, seed):
+    """Scaling rows, the free list against a scan, the ratios to the least work, memory."""
     pools, size, repeats = sorted(BENCH_POOLS), block_size, BENCH_REPEATS
     tokens, probe, prompts = pools[0] * size // 2, PrefixCachingAllocator(pools[0], size), []
     for prompt, _ in chat_stream(4 if seed is None else seed):  # admission keeps its prompts:
