@@ -1847,7 +1847,8 @@ PAPER_72 = ("In the ShareGPT trace, block sizes from 16 to 128 lead to the best 
 
 
 def sweep_workload(dataset, seed):
-    """SWEEP_REQUESTS (prompt, output) pairs with lengths drawn around dataset's means."""
+    """SWEEP_REQUESTS (prompt tokens, output tokens) pairs: for each, both lengths drawn around
+    dataset's means (each capped at MAX_SEQ_LEN // 2), then the prompt's tokens, the output's."""
     rng, requests = random.Random(seed), []
     for _ in range(SWEEP_REQUESTS):
         prompt, output = (draw_length(rng, mean, MAX_SEQ_LEN // 2) for mean in dataset[1:])
@@ -1856,9 +1857,10 @@ def sweep_workload(dataset, seed):
 
 
 def measure_block_size(requests, kv_tokens, block_size):
-    """(fragmentation, block-table entries per sequence, table bytes, requests that fit):
-    requests go, in order, into a pool of kv_tokens until it refuses one; that one and the
-    rest into a pool with room for all, so waste and tables count every request."""
+    """(fragmentation: unused slots / slots of blocks in use, over both pools; block-table
+    entries per sequence; every table's bytes; requests that fit): requests go, in order,
+    into a pool of kv_tokens until it refuses one; that one and the rest into a pool with
+    room for all, so waste and tables count every request."""
     budget = BlockAllocator(kv_tokens // block_size, block_size)
     rest = BlockAllocator(sum(cdiv(len(p) + len(o), block_size) for p, o in requests), block_size)
     seqs, refused = [], False
@@ -1889,8 +1891,9 @@ def sweet_spot(fragmentation, budget):
 
 
 def demo_sweep(block_size, seed):
-    """Prefix reuse lost; fragmentation, tables and fit by size (seeds from 8); the sweet
-    spots at three budgets; the paper's 7.2. It sweeps SWEEP_SIZES, whatever block_size."""
+    """Prefix reuse lost; fragmentation, tables and fit by size, then the sweet spots at three
+    budgets, over SWEEP_SEEDS seeds from 8 (or seed); the paper's 7.2 ranges, one verdict per
+    dataset. It sweeps SWEEP_SIZES, whatever block_size."""
     first = 8 if seed is None else seed
     print("== sweep: block size against fragmentation, block-table size, capacity, prefix reuse ==")
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
