@@ -1087,8 +1087,8 @@ class PrefixCachingAllocator(BlockAllocator):
     """A block pool that remembers full blocks, so later prompts with the same tokens reuse
     them. policy is a name in POLICIES or a new policy object (ValueError for a look-ahead
     without its future, Part 11); index a name in INDEXES or a new index of this block size
-    (else ValueError). Invariant: a block the index offers is in use or
-    evictable; an evictable block is free (counted in num_free) but kept until needed."""
+    (another size: ValueError; pick's errors otherwise). Invariant: a block the index offers
+    is in use or evictable; an evictable block is free (counted in num_free) but kept."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
