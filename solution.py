@@ -198,10 +198,15 @@ class BlockAllocator:
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
-        self.ref_cnt[check_block(self, block)] -= 1
-        if self.ref_cnt[block] == 0:
-            del self.ref_cnt[block]
-            self.free_block_ids.append(block)
+        self.free_blocks([check_block(self, block)])
+
+    def free_blocks(self, blocks):
+        """free each of blocks, trusted to be in use (a sequence giving back its own table)."""
+        for block in blocks:
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                del self.ref_cnt[block]
+                self.free_block_ids.append(block)
 
     def refcount(self, block):
         return self.ref_cnt.get(check_block(self, block, in_use=False), 0)
@@ -356,8 +361,7 @@ class Sequence:
         pool, table = self.allocator, self.block_table
         if len(self) % pool.block_size > 0:  # a partly full last block: a cache may keep it
             pool.cache_blocks(table, self.tokens, len(table) - 1, len(table))
-        for block in reversed(table):
-            pool.free(block)
+        pool.free_blocks(reversed(table))
         table.clear()
         self.is_freed = True
 
@@ -365,7 +369,7 @@ class Sequence:
         """Swap our reference to the shared last block for one to a private copy."""
         shared = self.block_table[-1]
         self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: nothing changed
-        self.allocator.free(shared)
+        self.allocator.free_blocks([shared])
         return self.block_table[-1]
 
     def _check_live(self):
@@ -395,9 +399,8 @@ def share_prefix(src, seq_id, num_tokens=None):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
     pool, seq = src.allocator, type(src)(seq_id, src.allocator)  # a Sequence like src
     full, partial = divmod(num_tokens, pool.block_size)
-    seq.block_table.extend(pool.share(block) for block in src.block_table[:full])
-    if partial > 0:  # a partly covered last block: its new holder may write the rest
-        seq.block_table.append(pool.share_tail(src.block_table[full]))
+    tail = [pool.share_tail(src.block_table[full])] if partial > 0 else []  # may raise: first
+    seq.block_table.extend([*(pool.share(block) for block in src.block_table[:full]), *tail])
     seq.tokens.extend(src.tokens[:num_tokens])
     return seq
 
@@ -558,7 +561,8 @@ def block_map(allocator, sequences):
 # The four classic pitfalls: a line of the code above and the line that commits it (README's
 # "Break it" has you make the same edits in your own copy), each caught in sharing_scenario.
 PITFALLS = [
-    ("freeing a shared block", BlockAllocator.free, "if self.ref_cnt[block] == 0:", "if True:"),
+    ("freeing a shared block", BlockAllocator.free_blocks, "if self.ref_cnt[block] == 0:",
+     "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
      "self.block_table[-1] = self.allocator.copy_block(shared)", "return shared"),
     ("the block-boundary off-by-one", Sequence._prefill,
@@ -703,9 +707,11 @@ def demo_sharing(block_size, seed):
 # share_prefix needs the caller to know who shares what. A server finds it by itself: it
 # remembers full blocks, a new prompt reuses the longest run of its leading blocks that is
 # remembered, and freed cached blocks wait, KV and all, until memory is needed. An index
-# finds and remembers blocks (INDEXES: vLLM's hash chain, SGLang's radix tree); a policy
-# names the evictable block to evict (POLICIES: LRU, vLLM's; FIFO; S3-FIFO); CacheStats
-# counts. PrefixCachingAllocator joins them to the pool through Part 1's seam.
+# finds, remembers and evicts them; the pool asks it for room. Two designs, two seams:
+# vLLM's hash chain evicts one block at a time, the one a block policy names (6a, 6c);
+# SGLang's radix tree evicts whole leaves, lowest priority first (6b).
+
+# 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
 NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
 
@@ -716,67 +722,258 @@ def hash_block_tokens(parent_hash, token_ids):
     Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
     hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
     second block of tokens after another parent: its hash is not h1.
-    NOTE: chaining makes a hash cover every token up to the end of its block, so equal
-    tokens after a different history never match (their KV differs). SHA-256, not Python's
-    hash(): a collision would hand a prompt another prompt's KV, and 64-bit hashes can be
-    collided on purpose (vLLM moved to SHA-256 after a 2025 advisory showed it). Like vLLM
-    we trust it, compare no tokens on a hit, and pickle at pickle.HIGHEST_PROTOCOL."""
+    NOTE: chaining makes a hash cover every token up to the end of its block, so equal tokens
+    after another history never match. SHA-256 and no token compare on a hit, as vLLM."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
     return hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
 
 
-class HashIndex:
-    """vLLM's index: block hash -> block. Invariant: cached maps each block hash to the one
-    block offered for it; block_hash knows the hash of every full block in use or cached."""
+class LRU:
+    """A block policy: it is told when a block is cached, freed (evictable: its last reference
+    is gone) or hit (in use again), and names the victim; now counts prompts admitted.
+    LRU keeps evictable (an OrderedDict) least recently freed first: vLLM's free queue,
+    whose head is its victim. len and `in` are the evictable blocks, for every policy."""
 
-    def __init__(self, block_size):
+    def __init__(self):
+        self.evictable = OrderedDict()  # block -> None, least recently freed first
+
+    def __len__(self):
+        return len(self.evictable)
+
+    def __contains__(self, block):
+        return block in self.evictable
+
+    def cached(self, block, token_ids):
+        """block now holds token_ids in the cache (LRU does not care when)."""
+
+    def freed(self, block, now):
+        self.evictable[block] = None
+
+    def hit(self, block):
+        del self.evictable[block]
+
+    def victim(self, now):
+        return self.evictable.popitem(last=False)[0]
+
+
+POLICIES = {"lru": LRU}  # the block policies; 6c adds two
+
+
+class HashIndex:
+    """vLLM's index: block hash -> block, its victims named by a block policy (a name in
+    POLICIES, or a policy object). Invariant: cached maps each block hash to the one block
+    offered for it; block_hash knows the hash of every full block in use or cached.
+    What every index does for the pool: match a prompt; insert blocks that filled; hit a
+    block a prompt reuses; release a block whose last reference went (True: it stays,
+    evictable); evict(n) blocks or more; holds(block); len: its evictable blocks; check."""
+
+    def __init__(self, block_size, policy="lru"):
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
+        self.policy = POLICIES[policy]() if isinstance(policy, str) else policy
         self.cached = {}      # block hash -> block (vLLM: cached_block_hash_to_block)
         self.block_hash = {}  # block -> its block hash
 
-    def __len__(self):  # the block hashes cached
-        return len(self.cached)
+    def __len__(self):
+        return len(self.policy)
 
     def match(self, token_ids):
         """(cached blocks of the prompt's leading full blocks, tokens they hold, look-ups)."""
-        size, blocks, parent, ids = self.block_size, [], None, tuple(token_ids)
-        for k in range(len(ids) // size):
-            try:
-                parent = hash_block_tokens(parent, ids[k * size:(k + 1) * size])
-            except Exception:  # noqa: BLE001 (pickle refused it: no token ids, so not cached)
+        size, blocks, parent = self.block_size, [], None
+        for k in range(len(token_ids) // size):
+            parent = hash_block_tokens(parent, token_ids[k * size:(k + 1) * size])
+            if parent not in self.cached:
                 return blocks, len(blocks) * size, k + 1
-            block = self.cached.get(parent)
-            if block is None:
-                return blocks, len(blocks) * size, k + 1
-            blocks.append(block)
+            blocks.append(self.cached[parent])
         return blocks, len(blocks) * size, len(blocks)
 
-    def insert(self, block, parent, token_ids):
-        """Remember a full block after parent; True if it is now the one offered (a partly
-        full block: False). NOTE: if another block holds these tokens already, it stays the
-        one (vLLM v1 keeps both)."""
-        if len(token_ids) < self.block_size:
-            return False  # only full blocks are cached, as in vLLM
-        parent_hash = None if parent is None else self.block_hash[parent]
-        self.block_hash[block] = block_hash = hash_block_tokens(parent_hash, token_ids)
-        if block_hash in self.cached:
-            return False
-        self.cached[block_hash] = block
-        return True
+    def insert(self, table, tokens, first, last, now):
+        """Remember the full ones of blocks first..last-1 of table, which hold tokens. NOTE: if
+        another block holds a block's tokens already, it stays the one (vLLM v1 keeps both)."""
+        size = self.block_size
+        for k in range(first, min(last, len(tokens) // size)):
+            parent = self.block_hash[table[k - 1]] if k > 0 else None
+            block_hash = hash_block_tokens(parent, tokens[k * size:(k + 1) * size])
+            self.block_hash[table[k]] = block_hash
+            if block_hash not in self.cached:
+                self.cached[block_hash] = table[k]
+                self.policy.cached(table[k], tokens[k * size:(k + 1) * size])
 
     def holds(self, block):
         return self.cached.get(self.block_hash.get(block)) == block
 
-    def uncache(self, block):  # stop offering block; the blocks after it chain from its hash
-        del self.cached[self.block_hash[block]]
+    def hit(self, block, revived, now):
+        if revived:
+            self.policy.hit(block)
 
-    def forget(self, block):  # block is free and leaves the cache, or was never offered
+    def release(self, block, now):
         if self.holds(block):
-            self.uncache(block)
-        self.block_hash.pop(block, None)
+            self.policy.freed(block, now)
+            return True
+        self.block_hash.pop(block, None)  # a block no hash chains from any more
+        return False
 
-    def blocks(self):
-        return list(self.cached.values())
+    def evict(self, n, now):
+        victims = [self.policy.victim(now) for _ in range(n)]
+        for block in victims:
+            del self.cached[self.block_hash.pop(block)]
+        return victims
+
+    def check(self, in_use):
+        """The evictable blocks, once checked against the policy's."""
+        evictable = [block for block in self.cached.values() if block not in in_use]
+        expect(len(evictable) == len(self.policy) and all(b in self.policy for b in evictable),
+               "cache: the policy's evictable blocks are not the cached blocks nobody uses")
+        return evictable
+
+
+INDEXES = {"hash": HashIndex}  # 6b adds the radix tree
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0       # full prompt blocks found in the cache at admission
+    misses: int = 0     # full prompt blocks not found
+    prompts: int = 0    # prompts admitted: the clock a policy is told
+    evictions: int = 0  # times the pool had to evict to hand out blocks
+    evicted: int = 0    # cached blocks those evictions freed
+    beyond: int = 0     # of them, blocks freed beyond what the eviction needed
+    work: int = 0       # the index's work: dict look-ups (hash) or child look-ups (radix)
+    partial: int = 0    # tokens reused from inside a block (a token-level radix tree)
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A block pool that remembers full blocks, so later prompts with the same tokens reuse
+    them. index: a name in INDEXES (ValueError otherwise), made with policy; or an index
+    object, which brings its own. Invariant: a block the index offers is in use or
+    evictable; an evictable block is free (counted in num_free) but kept until evicted.
+    hits, misses, hit_rate and num_cached (evictable blocks now) read stats and the index."""
+
+    def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
+        super().__init__(num_blocks, block_size)
+        if isinstance(index, str) and index not in INDEXES:
+            raise ValueError(f"index must be one of {', '.join(INDEXES)}, got {index!r}")
+        self.index = INDEXES[index](block_size, policy) if isinstance(index, str) else index
+        self.stats = CacheStats()
+
+    hits = property(lambda self: self.stats.hits)
+    misses = property(lambda self: self.stats.misses)
+    hit_rate = property(lambda self: self.hits / max(1, self.hits + self.misses))
+    num_cached = property(lambda self: len(self.index))
+
+    def share_cached_prefix(self, token_ids):
+        """Share the prompt's cached blocks after checking there is room for the rest
+        (reviving an evictable block takes it out of num_free): all or nothing. Example:
+        block_size 4, "a" = tokens 0..9 left blocks [0, 1] cached; "b" = tokens 0..7 then
+        50..54 finds both, misses its third full block: returns ([0, 1], 8), counts 2 hits
+        and 1 miss; b's constructor then writes 50..54 into 2 new blocks. NOTE: vLLM stops a
+        token short (max_cache_hit_length = num_tokens - 1), to compute the last token's
+        logits; this lab counts memory, and reuses every block it finds."""
+        check_tokens(token_ids)
+        blocks, reused, work = self.index.match(token_ids)
+        size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
+        revived = [block not in ref_cnt for block in blocks[:full]]
+        self.ensure_free(cdiv(len(token_ids), size) - full + sum(revived))  # check, then act
+        self.stats.hits += full
+        self.stats.misses += len(token_ids) // size - full
+        self.stats.prompts += 1
+        self.stats.work += work
+        self.stats.partial += reused % size
+        for block, was_free in zip(blocks[:full], revived):
+            ref_cnt[block] = ref_cnt.get(block, 0) + 1
+            self.index.hit(block, was_free, self.stats.prompts)
+        if reused % size > 0:  # the match ends inside a block: a private copy of it
+            blocks[full] = self.copy_block(blocks[full])
+        return blocks, reused
+
+    def cache_blocks(self, table, tokens, first, last):
+        if len(tokens) < last * self.block_size and self.ref_cnt[table[last - 1]] > 1:
+            last -= 1  # a partly full block that others hold may still be written
+        self.index.insert(table, tokens, first, last, self.stats.prompts)
+
+    def share_tail(self, block):
+        # NOTE: a block the cache offers is never written, so whoever shares only its first
+        # tokens gets a private copy now (vLLM v1 never shares a partly covered block).
+        return self.copy_block(block) if self.index.holds(block) else self.share(block)
+
+    def audit_kept(self):
+        """The cache's own checks; returns the evictable blocks, which the audit counts free."""
+        return self.index.check(self.ref_cnt)
+
+    def free_blocks(self, blocks):
+        """Drop a reference to each; a cached block that loses its last one stays cached,
+        evictable (vLLM: it joins the free queue, hash and all); any other is free."""
+        ref_cnt = self.ref_cnt
+        for block in blocks:
+            if ref_cnt[block] > 1:
+                ref_cnt[block] -= 1
+            else:
+                del ref_cnt[block]
+                if not self.index.release(block, self.stats.prompts):
+                    self.free_block_ids.append(block)
+
+    def allocate(self):
+        """A free block: blocks no cache entry will miss go first (NOTE: vLLM keeps both in
+        one queue and pops its head); when none is left, the index evicts."""
+        self.ensure_free(1)
+        self.make_room(1)
+        return super().allocate()
+
+    def allocate_many(self, n):
+        self.ensure_free(check_int(n, "n", 0))
+        self.make_room(n)  # one eviction for the lot, as SGLang's evict(num_tokens)
+        return super().allocate_many(n)
+
+    def make_room(self, n):
+        """Evict until n blocks are free and uncached (the check ensured that is possible)."""
+        short = n - len(self.free_block_ids) - (self.num_blocks - self.next_unused)
+        if short > 0:
+            freed = self.index.evict(short, self.stats.prompts)
+            self.stats.evictions += 1
+            self.stats.evicted += len(freed)
+            self.stats.beyond += len(freed) - short
+            self.free_block_ids.extend(reversed(freed))  # the first victim is handed out first
+
+
+# 6b. The radix tree ---------------------------------------------------------------------
+
+class LazyHeap:
+    """Items by key, least first: push(item, key) sets an item's key, discard(item) drops it,
+    pop() takes the item of least key (peek: its (key, item)). A replaced or dropped entry stays
+    in the heap until popped, skipped; the heap is rebuilt when most entries are stale, so it
+    holds at most two per item. Keys must differ (ties would compare the items)."""
+
+    def __init__(self):
+        self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
+
+    def __len__(self):
+        return len(self.key)
+
+    def __contains__(self, item):
+        return item in self.key
+
+    def push(self, item, key):
+        if self.key.get(item) != key:
+            self.key[item] = key
+            heapq.heappush(self.heap, (key, item))
+            if len(self.heap) > 2 * len(self.key):  # mostly stale: rebuild, O(1) amortized
+                self.heap = [(key, item) for item, key in self.key.items()]
+                heapq.heapify(self.heap)
+
+    def discard(self, item):
+        self.key.pop(item, None)
+
+    def peek(self):
+        while self.key.get(self.heap[0][1], None) != self.heap[0][0]:
+            heapq.heappop(self.heap)
+        return self.heap[0]
+
+    def pop(self):
+        key, item = self.peek()
+        heapq.heappop(self.heap)
+        del self.key[item]
+        return item
 
 
 def common_prefix(a, b):
@@ -788,243 +985,214 @@ def common_prefix(a, b):
 
 
 class RadixNode:
-    """A run of blocks: entry i of blocks (the block offered there; None: a hole), of holders
-    (a set: the blocks in use or cached with its tokens) and of tokens (a flat list, block_size
-    a block; a partial last block: fewer) is position start + i of a prompt. children maps a
-    first block's tokens (a tuple) to a node; parent is the node above. A split leaves the
-    entries before first to the node above (cutting them off would cost the rest of the node)."""
+    """A run of blocks: tokens (the key, block_size a block), blocks (the value), children by
+    their first block's tokens, parent, depth (blocks above it), lock_ref (its blocks in use,
+    always its first ones), last_access and created (the pool's clock), number (a tie-break)."""
 
-    def __init__(self, parent, start, token_ids, blocks, holders):
-        self.parent, self.start, self.first = parent, start, 0  # first: its first entry
-        self.tokens = list(token_ids)  # block_size per block (a partial last block: fewer)
-        self.blocks = blocks    # the block offered at each position (None: a hole)
-        self.holders = holders  # a set a position: blocks in use or cached with its tokens
-        self.children = {}      # first block's tokens (a tuple) -> node
+    def __init__(self, parent, depth, now, number):
+        self.parent, self.depth, self.tokens, self.blocks, self.children = parent, depth, [], [], {}
+        self.lock_ref, self.last_access, self.created, self.number = 0, now, now, number
 
-    def key(self, size):
-        return tuple(self.tokens[self.first * size:(self.first + 1) * size])
+
+PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py: the leaf of
+              "fifo": lambda node: node.created}     # lowest priority goes first
 
 
 class RadixIndex:
-    """SGLang's index: a radix tree of prefixes. A node holds a run of blocks and their
-    tokens; its children start with different blocks, so the path from the root to a block
-    spells every token before it. Example, block_size 2: prompts 1 2 3 4 and 1 2 5 6 make
-    root -> [1 2] -> {[3 4], [5 6]}: block [5 6] after [1 2] split the node [1 2 3 4].
-    With token_level it also keeps a freed sequence's partial last block, and where a match
-    ends inside a block it takes that block's first tokens (the allocator copies it: the
-    copy a write would force); finding that block scans a node's children, O(children).
-    Invariant: every full block in use or cached has a place (the hash chain's block_hash);
-    a place stays while a block refers to it, and offers at most one block.
-    NOTE, against SGLang's radix_cache.py: a node stores blocks, not a KV index per token,
-    and children are keyed by a whole first block, as SGLang's tuple(key[:page_size]) when
-    paged; ref-counts stay per block, so there are no node locks (lock_ref) and match leaves
-    the tree as it is (SGLang splits there too, to lock the path). The policy evicts a block
-    at a time, so the hits equal the hash chain's (SGLang: whole leaves, oldest first); a
-    block evicted inside a run leaves a hole that the same tokens fill again.
-    State: root, a node of no tokens; place, block -> (node, position counted from the
-    prompt's start); nodes, the nodes below the root (its len)."""
+    """SGLang's index: a radix tree of cached blocks whose leaves are evicted whole, lowest
+    priority first (PRIORITIES). A node holds a run of blocks; its children start with other
+    blocks, so the path to a block spells every token before it. Example, block_size 2, a
+    pool of 6 blocks, LRU; each step as SGLang's radix_cache.py takes it:
+        a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2): an evictable leaf
+        b = [1 2 3 4 7 8]          hits 0 1 and locks them; [7 8] splits the node where it
+                                   branches off (_split_node): root -> [1 2 3 4] -> {[5 6], [7 8]}
+        c = [10 .. 15]             the 2 unused blocks, then evict(1): [5 6], the one leaf that
+                                   b's lock (inc_lock_ref) does not protect
+        b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
+    token_level keeps a freed sequence's partial last block too, and a match that stops inside
+    a block takes the block whose first tokens come next (the pool copies it).
+    NOTE: blocks keep ref-counts, so lock_ref counts a node's blocks in use: a sequence holds
+    its path, so locked as by inc_lock_ref (a lone pool.share of a cached block would break
+    it: the audit says so); share_prefix may hold a node's first blocks only, and eviction
+    takes the rest. match neither splits nor touches, so a refused prompt changes nothing;
+    the pool's hits touch. Tokens the tree holds in another block stay out of it (SGLang
+    frees that block and takes the tree's)."""
 
-    def __init__(self, block_size, token_level=False):
-        self.block_size, self.token_level = block_size, token_level
-        self.root = RadixNode(None, 0, [], [], [])
-        self.place = {}  # block -> (node, position): position counted from the prompt's start
-        self.nodes = 0   # nodes below the root
+    def __init__(self, block_size, policy="lru", token_level=False):
+        if policy not in PRIORITIES:
+            raise ValueError(f"a leaf priority is one of {', '.join(PRIORITIES)}, got {policy!r}")
+        self.block_size, self.token_level, self.policy = block_size, token_level, policy
+        self.numbers = itertools.count()
+        self.root = RadixNode(None, 0, 0, next(self.numbers))
+        self.node_of = {}         # block -> the node holding it
+        self.leaves = LazyHeap()  # the candidates: leaves with a block nobody uses
+        self.evictable = 0        # blocks of the tree nobody uses (SGLang: evictable_size_)
 
     def __len__(self):
-        return self.nodes
-
-    def locate(self, block):
-        """(node, index in node.blocks) of block's place."""
-        node, position = self.place[block]
-        return node, position - node.start
+        return self.evictable
 
     def match(self, token_ids):
-        """(cached blocks of the prompt's leading blocks, tokens they hold, child look-ups).
-        It compares tokens with ==, under which True == 1.0 == 1: it checks them first."""
-        check_tokens(token_ids)  # it compares tokens with ==, under which True == 1.0 == 1
-        size, node, i, blocks, visited = self.block_size, self.root, 0, [], 0
+        """(the blocks of the prompt's leading full blocks in the tree, the tokens they hold,
+        child look-ups); with token_level, then the block whose first tokens come next."""
+        size, node, i, blocks, work = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
-            chunk = list(token_ids[len(blocks) * size:(len(blocks) + 1) * size])
+            chunk = token_ids[len(blocks) * size:(len(blocks) + 1) * size]
             if i == len(node.blocks):  # at the end of a node: the child that starts so
-                visited += 1
+                work += 1
                 if tuple(chunk) not in node.children:
                     break
-                node = node.children[tuple(chunk)]
-                i = node.first
-            if node.blocks[i] is None or node.tokens[i * size:(i + 1) * size] != chunk:
+                node, i = node.children[tuple(chunk)], 0
+            if node.tokens[i * size:(i + 1) * size] != chunk:
                 break
             blocks.append(node.blocks[i])
             i += 1
         reused = len(blocks) * size
-        if self.token_level and reused < len(token_ids):  # the next tokens, inside a block?
-            if i < len(node.blocks):  # a block inside a node, or the first of a child
-                ends = [(node.blocks[i], node.tokens[i * size:(i + 1) * size])]
-            else:
-                ends = [(child.blocks[child.first], child.key(size))
-                        for child in node.children.values()]
-            rest = token_ids[reused:reused + size]
-            best, block = max(((common_prefix(rest, tokens), block) for block, tokens in ends
-                               if block is not None), default=(0, None))
+        if self.token_level and reused < len(token_ids):
+            ends = [(node.tokens[i * size:], node.blocks[i])] if i < len(node.blocks) else [
+                (child.tokens, child.blocks[0]) for child in node.children.values()]
+            best, block = max([(common_prefix(token_ids[reused:], tokens[:size]), block)
+                               for tokens, block in ends], default=(0, None))
             if best > 0:
                 blocks.append(block)
                 reused += best
-        return blocks, reused, visited
+        return blocks, reused, work
 
-    def insert(self, block, parent, token_ids):
-        """Give block its place after parent's (a block given one again, refilled after a
-        partial share, leaves its old place); a full block after a childless node's last
-        block grows that node. True if the tree now offers it."""
+    def insert(self, table, tokens, first, last, now):
+        """Give blocks first..last-1 of table (full ones; token_level: a partial last too) a
+        place after block first - 1's: a leaf grows, or a new leaf hangs where they branch off
+        (inside a node: a split). Tokens the tree holds in another block stay out."""
         size = self.block_size
-        if len(token_ids) < size and not self.token_level:
-            return False
-        node, i = (self.root, -1) if parent is None else self.locate(parent)
-        self.forget(block)  # refilled after a partial share: it leaves its old place
-        if i + 1 < len(node.blocks):  # parent is inside a run: is the next block the same?
-            if node.tokens[(i + 1) * size:(i + 2) * size] == token_ids:
-                return self.join(node, i + 1, block)
-            node = self.split(node, i + 1)
-        if tuple(token_ids) in node.children:
-            child = node.children[tuple(token_ids)]
-            return self.join(child, child.first, block)
-        start = node.start + len(node.blocks)
-        if node is not self.root and len(node.children) == 0 and len(token_ids) == size:
-            node.tokens += token_ids  # a leaf grows by a block
-            node.blocks.append(block)
-            node.holders.append({block})
-        else:
-            node.children[tuple(token_ids)] = RadixNode(node, start, token_ids, [block], [{block}])
-            node = node.children[tuple(token_ids)]
-            self.nodes += 1
-        self.place[block] = (node, start)
-        return True
+        last = last if self.token_level else min(last, len(tokens) // size)
+        node = self.root if first == 0 else self.node_of.get(table[first - 1])
+        if first >= last or node is None:
+            return  # nothing to insert, or the block before stayed out
+        i, chunk = first - node.depth, tokens[first * size:(first + 1) * size]
+        if i < len(node.blocks):  # the tree holds a block here
+            if node.tokens[i * size:(i + 1) * size] == chunk:
+                return
+            node = self.split(node, i)
+        if tuple(chunk) in node.children:
+            return
+        if len(node.children) > 0 or node is self.root or len(node.tokens) % size > 0:
+            child = RadixNode(node, node.depth + len(node.blocks), now, next(self.numbers))
+            node.children[tuple(chunk)] = node = child  # else a leaf ending full grows
+        node.tokens += tokens[first * size:last * size]
+        node.blocks += table[first:last]
+        node.lock_ref += last - first  # every block inserted is in use
+        node.last_access = now
+        for block in table[first:last]:
+            self.node_of[block] = node
+        self.update(node)
 
-    def join(self, node, i, block):
-        """block holds the tokens of an existing place: offered there unless another is."""
-        node.holders[i].add(block)
-        self.place[block] = (node, node.start + i)
-        if node.blocks[i] is not None:
-            return False
-        node.blocks[i] = block
-        return True
-
-    def split(self, node, k):
-        """Cut node before its entry k; a new node above it takes the entries first..k-1 and
-        their holders' places: O(those entries and holders), the blocks the inserting prompt
-        has just matched in node; the rest of node stays where it is."""
-        size, first = self.block_size, node.first
-        head = RadixNode(node.parent, node.start + first, node.tokens[first * size:k * size],
-                         node.blocks[first:k], node.holders[first:k])
-        node.parent.children[node.key(size)] = head
-        node.first, node.parent = k, head
-        head.children[node.key(size)] = node
-        for position, blocks in enumerate(head.holders, head.start):
-            for block in blocks:
-                self.place[block] = (head, position)
-        self.nodes += 1
+    def split(self, node, i):
+        """Cut node before its block i: a node above it takes blocks 0..i-1 and their locks
+        (SGLang's _split_node); returns it."""
+        size = self.block_size
+        head = RadixNode(node.parent, node.depth, node.created, next(self.numbers))
+        head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
+        head.lock_ref, head.last_access = min(node.lock_ref, i), node.last_access
+        node.parent.children[tuple(node.tokens[:size])] = head
+        head.children[tuple(node.tokens[i * size:(i + 1) * size])] = node
+        del node.tokens[:i * size], node.blocks[:i]
+        node.parent, node.depth, node.lock_ref = head, node.depth + i, node.lock_ref - head.lock_ref
+        for block in head.blocks:
+            self.node_of[block] = head
         return head
 
     def holds(self, block):
-        if block not in self.place:
+        return block in self.node_of
+
+    def hit(self, block, revived, now):
+        self.node_of[block].last_access = now
+        self.lock(block, 1 if revived else 0)
+
+    def release(self, block, now):
+        if block not in self.node_of:
             return False
-        node, i = self.locate(block)
-        return node.blocks[i] == block
+        self.lock(block, -1)
+        return True
 
-    def uncache(self, block):  # stop offering block; it keeps its place for the blocks after
-        node, i = self.locate(block)
-        node.blocks[i] = None
+    def lock(self, block, delta):
+        """delta more blocks of block's node in use (SGLang: inc_lock_ref, dec_lock_ref)."""
+        node = self.node_of[block]
+        node.lock_ref += delta
+        self.evictable -= delta
+        self.update(node)
 
-    def forget(self, block):
-        """block is free: it leaves its place; a leaf is cut back past places none is in."""
-        if block not in self.place:
-            return
-        node, i = self.locate(block)
-        del self.place[block]
-        node.holders[i].discard(block)
-        if node.blocks[i] == block:
-            node.blocks[i] = None
-        while node is not self.root and len(node.children) == 0:
-            key = node.key(self.block_size)
-            while len(node.holders) > node.first and len(node.holders[-1]) == 0:
-                node.holders.pop()
-                node.blocks.pop()
-                del node.tokens[len(node.blocks) * self.block_size:]
-            if len(node.holders) > node.first:
-                break
-            del node.parent.children[key]
-            self.nodes -= 1
-            node = node.parent
+    def update(self, node):
+        """node is a candidate exactly while it is a leaf with a block nobody uses."""
+        if node is not self.root and len(node.children) == 0 and node.lock_ref < len(node.blocks):
+            self.leaves.push(node, (PRIORITIES[self.policy](node), node.number))
+        else:
+            self.leaves.discard(node)
 
-    def blocks(self):
-        return [block for block in self.place if self.holds(block)]
+    def evict(self, n, now):
+        """Free n blocks or more: candidates, lowest priority first, each whole but for its
+        blocks in use; a parent left childless is a candidate then (SGLang's evict)."""
+        freed = []
+        while len(freed) < n:
+            node = self.leaves.pop()
+            key, keep = tuple(node.tokens[:self.block_size]), node.lock_ref
+            freed += node.blocks[keep:]
+            del node.blocks[keep:], node.tokens[keep * self.block_size:]
+            if keep == 0:
+                del node.parent.children[key]
+                self.update(node.parent)
+        for block in freed:
+            del self.node_of[block]
+        self.evictable -= len(freed)
+        return freed
+
+    def check(self, in_use):
+        """Each node's lock_ref and candidacy against in_use; returns the evictable blocks."""
+        evictable, nodes = [], list(self.root.children.values())
+        for node in nodes:
+            used = [block in in_use for block in node.blocks]
+            expect(used == [True] * node.lock_ref + [False] * (len(used) - node.lock_ref) and (
+                node in self.leaves) == (len(node.children) == 0 and not all(used)),
+                "radix: a node's blocks in use are not its first lock_ref, or it is a candidate "
+                "leaf wrongly")
+            evictable += node.blocks[node.lock_ref:]
+            nodes += node.children.values()
+        expect(len(evictable) == self.evictable, "radix: evictable blocks miscounted")
+        return evictable
 
 
-class LRU:
-    """order: the evictable blocks (an OrderedDict), least recently freed first, vLLM's order
-    (its free queue gives its head). Every policy is told when a block is cached, freed
-    (evictable: its last reference is gone) or hit (an evictable block is in use again), and
-    names the victim; now counts prompts admitted."""
+INDEXES["radix"] = RadixIndex
 
-    def __init__(self):
-        self.order = OrderedDict()  # block -> None, least recently freed first
 
-    def __len__(self):
-        return len(self.order)
-
-    def __contains__(self, block):
-        return block in self.order
-
-    def cached(self, block, token_ids):
-        """block now holds token_ids in the cache (LRU does not care when)."""
-
-    def freed(self, block, now):
-        self.order[block] = None
-
-    def hit(self, block):
-        del self.order[block]
-
-    def victim(self, now):
-        return self.order.popitem(last=False)[0]
-
+# 6c. More block policies --------------------------------------------------------------
 
 class FIFO(LRU):
     """Evict the block cached longest ago, whatever its reuse since: a hit does not save it.
-    A heap of (when cached, block); an entry a hit made stale is skipped when popped."""
+    evictable is a LazyHeap keyed by when each block was cached."""
 
     def __init__(self):
-        super().__init__()
-        self.since, self.clock, self.heap = {}, itertools.count(), []  # block -> when cached
+        self.evictable, self.since, self.clock = LazyHeap(), {}, itertools.count()
 
     def cached(self, block, token_ids):
         self.since[block] = next(self.clock)
 
     def freed(self, block, now):
-        super().freed(block, now)
-        heapq.heappush(self.heap, (self.since[block], block))
-        if len(self.heap) > 2 * len(self.order):  # mostly stale: rebuild, O(1) amortized
-            self.heap = [(self.since[block], block) for block in self.order]
-            heapq.heapify(self.heap)
+        self.evictable.push(block, self.since[block])
+
+    def hit(self, block):
+        self.evictable.discard(block)
 
     def victim(self, now):
-        while True:  # ends: every evictable block has an entry with its own key
-            since, block = heapq.heappop(self.heap)
-            if block in self.order and self.since[block] == since:
-                del self.order[block]
-                return block
+        return self.evictable.pop()
 
 
-class S3FIFO:
+class S3FIFO(LRU):
     """S3-FIFO (Yang et al., SOSP 2023): a block newly cached waits in a small FIFO queue.
     The victim comes from small while it holds >= 10% of the evictable blocks (or main is
     empty): its head, unless hit twice, which moves to the main FIFO queue instead; an
     evicted block's tokens join a ghost queue (as long as main is now, at least 1), and a
     block cached again while remembered starts in main. Main gives a block hit since
     another round, its count of hits (at most 3) lowered by one.
-    NOTE: sizes and rules are the paper's code's (libCacheSim S3FIFOv0.c: small 10%, ghost
-    as many entries as main, move to main at 2 hits). A prefix cache evicts only blocks
-    nobody uses, so the queues hold evictable blocks and are sized against their number; a
-    block in use leaves its queue and rejoins at the tail when freed; the ghost remembers
-    tokens, as a refilled block has a new id, and so takes the same tokens after another
-    prefix for the same block (on a Mooncake trace tokens stand for their prefix)."""
+    NOTE: small 10%, 2 hits to main and the cap of 3 are libCacheSim's (S3FIFO.c); its ghost
+    holds 90% of the cache, ours as many as main. The queues hold evictable blocks only, and
+    the policy hears of a hit only when it revives one: hits on blocks in use never count."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
@@ -1069,133 +1237,12 @@ class S3FIFO:
                 self.main[block] = None
 
 
-INDEXES = {"hash": HashIndex, "radix": RadixIndex}
-POLICIES = {"lru": LRU, "fifo": FIFO, "s3fifo": S3FIFO}
+POLICIES.update(fifo=FIFO, s3fifo=S3FIFO)  # NOTE: the radix tree takes a leaf priority
+# instead (PRIORITIES: FIFO is one, by when a node was made); S3-FIFO's queues and the
+# look-ahead of Part 11 rank blocks, and are block policies only.
 
 
-@dataclass
-class CacheStats:
-    hits: int = 0       # full prompt blocks found in the cache at admission
-    misses: int = 0     # full prompt blocks not found
-    evictions: int = 0  # cached blocks handed to someone else
-    prompts: int = 0    # prompts admitted: the clock a policy is told
-    work: int = 0       # the index's work: dict look-ups (hash) or child look-ups (radix)
-    partial: int = 0    # tokens reused from inside a block (a token-level radix tree)
-
-
-class PrefixCachingAllocator(BlockAllocator):
-    """A block pool that remembers full blocks, so later prompts with the same tokens reuse
-    them. policy is a name in POLICIES or a new policy object (ValueError for a look-ahead
-    without its future, Part 11); index a name in INDEXES or a new index of this block size
-    (another size: ValueError; pick's errors otherwise). Invariant: a block the index offers
-    is in use or evictable; an evictable block is free (counted in num_free) but kept."""
-
-    def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
-        super().__init__(num_blocks, block_size)
-        self.policy = pick(POLICIES, policy, "policy", tuple(POLICIES.values()))
-        if getattr(self.policy, "future", {}) is None:  # Part 11's Lookahead, without one
-            raise ValueError("a look-ahead policy needs its future: replay_trace builds it")
-        self.index = pick(INDEXES, index, "index", tuple(INDEXES.values()), block_size)
-        if self.index.block_size != block_size:
-            raise ValueError(f"an index of block size {self.index.block_size}, not {block_size}")
-        self.stats = CacheStats()
-
-    hits = property(lambda self: self.stats.hits)
-    misses = property(lambda self: self.stats.misses)
-    evictions = property(lambda self: self.stats.evictions)
-    hit_rate = property(lambda self: self.hits / max(1, self.hits + self.misses))
-    num_cached = property(lambda self: len(self.policy))  # evictable cached blocks right now
-
-    def share_cached_prefix(self, token_ids):
-        """Share the prompt's cached blocks after checking there is room for the rest
-        (reviving an evictable block takes it out of num_free): all or nothing. Example:
-        block_size 4, "a" = tokens 0..9 left blocks [0, 1] cached; "b" = tokens 0..7 then
-        50..54 finds both, misses its third full block: returns ([0, 1], 8), counts 2 hits
-        and 1 miss; b's constructor then writes 50..54 into 2 new blocks.
-        NOTE: only the tokens after the hits are checked, once: the hits are the ints a
-        cached block was given, checked when written, so the index's match sees the prompt
-        unchecked (a token pickle refuses is a miss). vLLM stops one token short
-        (max_cache_hit_length = num_tokens - 1) so that the model computes the last token's
-        logits; this lab counts memory, and reuses every block it finds."""
-        blocks, reused, work = self.index.match(token_ids)
-        check_tokens(token_ids[reused:])  # the hits are checked: their tokens were written
-        size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
-        revived = [block for block in blocks[:full] if block not in ref_cnt]
-        self.ensure_free(cdiv(len(token_ids), size) - full + len(revived))  # check, then act
-        for block in revived:
-            self.policy.hit(block)
-        for block in blocks[:full]:
-            ref_cnt[block] = ref_cnt.get(block, 0) + 1  # a revived block had no ref-count
-        if reused % size > 0:  # the match ends inside a block: a private copy of it (a full
-            # pool may evict that very block for it: copied onto itself, its tokens intact)
-            blocks[full] = self.copy_block(blocks[full])
-        self.stats.hits += full
-        self.stats.misses += len(token_ids) // size - full
-        self.stats.prompts += 1
-        self.stats.work += work
-        self.stats.partial += reused % size
-        return blocks, reused
-
-    def cache_blocks(self, table, tokens, first, last):
-        size = self.block_size
-        for k in range(first, last):
-            token_ids = tokens[k * size:(k + 1) * size]
-            if len(token_ids) < size and self.ref_cnt[table[k]] > 1:
-                return  # a partly full block that others hold may still be written
-            if self.index.insert(table[k], table[k - 1] if k > 0 else None, token_ids):
-                self.policy.cached(table[k], token_ids)
-
-    def share_tail(self, block):
-        # NOTE: whoever shares a block only partly (share_prefix) writes into it once the
-        # others are gone, so the cache stops offering it first: a later prompt would read
-        # the new tokens as cached KV. (vLLM v1 never shares a partly covered block.)
-        if self.index.holds(check_block(self, block)):
-            self.index.uncache(block)
-        return self.share(block)
-
-    def audit_kept(self):
-        """The cache's own checks; returns the evictable blocks, which the audit counts free."""
-        held = self.index.blocks()
-        expect(all(block in self.ref_cnt or block in self.policy for block in held),
-               "cache: a cached block is neither in use nor evictable")
-        evictable = [block for block in held if block not in self.ref_cnt]
-        expect(len(evictable) == len(self.policy), "cache: an evictable block is not cached")
-        return evictable
-
-    def free(self, block):
-        """Drop one reference. A cached block that loses its last one stays cached, now
-        evictable (vLLM: it joins the free queue, hash and all); any other is forgotten."""
-        if self.ref_cnt.get(check_block(self, block)) == 1 and self.index.holds(block):
-            self.policy.freed(block, self.stats.prompts)
-            del self.ref_cnt[block]
-        else:
-            super().free(block)
-            if block not in self.ref_cnt:
-                self.index.forget(block)
-
-    def allocate(self):
-        """A free block: blocks no cache entry will miss go first (NOTE: vLLM keeps both in
-        one queue and pops its head); when none is left, the policy's victim."""
-        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks \
-                and len(self.policy) > 0:
-            block = self.policy.victim(self.stats.prompts)
-            self.index.forget(block)
-            self.stats.evictions += 1
-            self.free_block_ids.append(block)
-        return super().allocate()
-
-
-def pick(table, choice, what, kinds, *args):
-    """table[choice](*args) for a name in table, or choice itself if it is a new, empty
-    object of one of kinds (the table's classes); else ValueError (a name), TypeError."""
-    if isinstance(choice, str):
-        if choice not in table:
-            raise ValueError(f"{what} must be one of {', '.join(table)}, got {choice!r}")
-        return table[choice](*args)
-    if not isinstance(choice, kinds) or len(choice) > 0:
-        raise TypeError(f"a {what} object must be new and empty, got {choice!r}")
-    return choice
-
+# The cache section --------------------------------------------------------------------
 
 CHAT_SYSTEM_LEN = 200   # tokens of the system prompt every chat request starts with
 CHAT_QUESTION_LEN = 40  # tokens a user adds each turn
@@ -1237,11 +1284,13 @@ def serve(pool, stream):
 
 def demo_cache(block_size, seed):
     """The six parts it prints: the sharing requests cached, vLLM's example, chained hashes,
-    the chat stream under pressure, token-level reuse, cache-aware order (seed 4)."""
+    the chat stream under pressure through both indexes, token-level reuse, cache-aware order
+    (seed 4)."""
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
-    explicit = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
-    cached = system_prompt_requests(PrefixCachingAllocator(num_blocks, block_size), False, seed)
+    explicit, cached = (system_prompt_requests(pool, pool_class is BlockAllocator, seed)
+                        for pool_class in (BlockAllocator, PrefixCachingAllocator)
+                        for pool in [pool_class(num_blocks, block_size)])
     print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
     print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
     print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
@@ -1250,21 +1299,38 @@ def demo_cache(block_size, seed):
     cache_vllm_example()
     cache_chained_hashes(block_size)
     stream = chat_stream(seed)
-    print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
-          f"{CHAT_TURNS} turns, round robin), LRU")
-    print("   pool blocks   hit rate: hash, radix   evictions   cached hashes   radix nodes"
-          "   work/prompt")
-    for tokens in CACHE_POOLS:
-        h, r = (serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
-                      stream) for index in INDEXES)
-        print(f"   {h.num_blocks:>11}   {h.hit_rate:>15.1%}, {r.hit_rate:.1%}   {h.evictions:>9}"
-              f"   {len(h.index):>13}   {len(r.index):>11}   {h.stats.work / h.stats.prompts:.1f}"
-              f" / {r.stats.work / r.stats.prompts:.1f}")
-    print("   (work: the hashes the hash chain looks up; the child look-ups of the radix tree, "
-          "which also")
-    print("   compares the tokens of every block it walks)")
+    cache_two_seams(block_size, stream)
     cache_token_level(seed)
     cache_aware_order(block_size, stream)
+
+
+def cache_two_seams(block_size, stream):
+    """The stream through shrinking pools, LRU on both indexes: what each eviction frees."""
+    print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
+          f"{CHAT_TURNS} turns, round robin), LRU; the hash")
+    print("   chain evicts a block at a time, the radix tree whole leaves")
+    print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
+                           stream) for tokens in CACHE_POOLS for index in INDEXES])
+
+
+def print_two_seams(pools):
+    """A row per pool (hash and radix in turn): hit rate, evictions, the blocks they freed and
+    how many beyond the need; then one sentence on where the two differ."""
+    print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
+    for pool in pools:
+        st, kind = pool.stats, next(name for name, cls in INDEXES.items()
+                                    if type(pool.index) is cls)
+        print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hit_rate:>8.1%}  {st.evictions:>9,}  "
+              f"{st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
+    print("   (look-ups: hashes the chain looks up; children the tree visits, comparing each "
+          "block's tokens)")
+    hashed, radix = pools[0::2], pools[1::2]
+    beyond, freed = (sum(getattr(p.stats, name) for p in radix) for name in ("beyond", "evicted"))
+    hits = sum(p.hits for p in radix) - sum(p.hits for p in hashed)
+    print(f"   over these pools whole leaves freed {beyond:,} blocks beyond the need "
+          f"({beyond / max(1, freed):.0%} of those they freed)")
+    print(f"   and hit {hits:+,} blocks against the hash chain "
+          f"({hits / max(1, sum(p.hits for p in hashed)):+.1%} of its hits)")
 
 
 def cache_vllm_example():
@@ -1290,7 +1356,7 @@ def cache_vllm_example():
                              .ljust(4) for b in range(pool.num_blocks)).rstrip())
         print(f"   t{time_} {event:<32} {maps[-1]}")
     ours = list(live[2].block_table)
-    print(f"   request 2's blocks: ours {ours} ({plural(pool.evictions, 'eviction')});")
+    print(f"   request 2's blocks: ours {ours} ({plural(pool.stats.evicted, 'block')} evicted);")
     print(f"   vLLM's, quoted: {VLLM_TIME_7}, block 3 evicted")
     if ours != VLLM_TIME_7:
         print("   ours differ: this pool hands out the free blocks no cache entry holds (its "
@@ -1323,7 +1389,8 @@ def cache_token_level(seed):
     for size in sizes:
         room = sum(cdiv(len(p) + len(a), size) for p, a in stream)
         full = serve(PrefixCachingAllocator(room, size), stream)
-        token = serve(PrefixCachingAllocator(room, size, "lru", RadixIndex(size, True)), stream)
+        token = serve(PrefixCachingAllocator(room, size, index=RadixIndex(size, token_level=True)),
+                      stream)
         rows["full blocks"].append(full.hits * size / prompt_tokens)
         rows["token-level"].append((token.hits * size + token.stats.partial) / prompt_tokens)
         rows["copies"].append(token.num_copies)
@@ -1347,21 +1414,21 @@ def cache_aware_order(block_size, stream):
     """Batches of WAITING requests served in arrival order, or longest cached prefix first."""
     tokens, results = CACHE_POOLS[len(CACHE_POOLS) // 2], {}
     print(f"6. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
-    print("   order            index                 hits   evictions")
+    print("   order            index                 hits   blocks evicted")
     for order in ("arrival", "longest prefix"):
         for name, index in (("hash", "hash"), ("radix", "radix"),
-                            ("radix, token-level", RadixIndex(block_size, True))):
+                            ("radix, token-level", RadixIndex(block_size, token_level=True))):
             pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", index)
             for first in range(0, len(stream), WAITING):
                 batch = stream[first:first + WAITING]
                 if order == "longest prefix":  # SGLang's lpm: the longest match first
                     batch = sorted(batch, key=lambda request: -pool.index.match(request[0])[1])
                 serve(pool, batch)
-            results[order, name] = (pool.hits, pool.evictions)
-            print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.evictions:>9}")
+            results[order, name] = (pool.hits, pool.stats.evicted)
+            print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
     arrival, lpm = results["arrival", "hash"], results["longest prefix", "hash"]
     print(f"   longest prefix first, against arrival order (hash): {arrival[0]} -> {lpm[0]} hits, "
-          f"{arrival[1]} -> {lpm[1]} evictions")
+          f"{arrival[1]} -> {lpm[1]} blocks evicted")
 
 
 # ---------------------------------------------------------------------------------------
@@ -2103,24 +2170,15 @@ class TraceRequest:
 
 def load_trace(path, limit=None):
     """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines
-    skipped. ValueError ("path:N: ...") for anything malformed (JSON nested too deep too), or
-    for a hash id after two different ids (an id stands for its whole prefix), or for a file
-    that is not UTF-8 ("path: ..."); OSError if the file cannot be read."""
-    requests, before = [], {}  # hash id -> the id before it (None: a prompt's first)
+    skipped; ValueError ("path:N: ...") for a line that is not a request, OSError if the
+    file cannot be read."""
+    requests = []
     with open(path, encoding="utf-8") as lines:
-        try:
-            for number, line in enumerate(lines, 1):
-                if limit is not None and len(requests) == limit:
-                    break
-                if line.strip() != "":
-                    requests.append(parse_trace_line(line, f"{path}:{number}"))
-                    ids = requests[-1].hash_ids
-                    for previous, h in zip([None, *ids], ids, strict=False):
-                        if before.setdefault(h, previous) != previous:
-                            raise ValueError(f"{path}:{number}: hash id {h} ends another "
-                                             "prefix than before (an id is its whole prefix)")
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: not UTF-8 text, so not a Mooncake trace") from None
+        for number, line in enumerate(lines, 1):
+            if limit is not None and len(requests) == limit:
+                break
+            if line.strip() != "":
+                requests.append(parse_trace_line(line, f"{path}:{number}"))
     return requests
 
 
@@ -2129,13 +2187,11 @@ def parse_trace_line(line, where):
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not JSON ({error.msg})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deep for a request") from None
     if not isinstance(record, dict) or any(field not in record for field in TRACE_FIELDS):
         raise ValueError(f"{where}: a request needs the fields {', '.join(TRACE_FIELDS)}")
     timestamp, input_length, output_length, hash_ids = (record[f] for f in TRACE_FIELDS)
-    if type(timestamp) not in (int, float) or not 0 <= timestamp < math.inf:  # NaN too
-        raise ValueError(f"{where}: timestamp must be a finite number >= 0, got {timestamp!r}")
+    if type(timestamp) not in (int, float) or timestamp < 0:
+        raise ValueError(f"{where}: timestamp must be a number >= 0, got {timestamp!r}")
     for name, value in (("input_length", input_length), ("output_length", output_length)):
         if type(value) is not int or value < 0:
             raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
@@ -2170,20 +2226,6 @@ def trace_decode_len(request, block_size):
     return max(1, request.output_length * block_size // TRACE_ID_TOKENS)
 
 
-def trace_ceiling(requests):
-    """(hits, full prompt blocks) of a cache that never forgets: in each request, the
-    leading full blocks whose id an earlier request had as a full block (a partial last
-    block is never cached: decode tokens fill it)."""
-    seen, hits, total = set(), 0, 0
-    for request in requests:
-        full, k = request.input_length // TRACE_ID_TOKENS, 0
-        while k < full and request.hash_ids[k] in seen:
-            k += 1
-        hits, total = hits + k, total + full
-        seen.update(request.hash_ids[:full])
-    return hits, total
-
-
 class Lookahead(LRU):
     """A scheduler that sees the next `window` prompts: evict the evictable block whose next
     use among them is farthest; blocks none of them uses go first, least recently freed
@@ -2194,24 +2236,14 @@ class Lookahead(LRU):
     is optimal for a cache of equal pages, and a prefix cache adds only that a block hits
     when its parent does; every prompt that uses a block uses its parent, so a parent's
     next use is never after its child's, and the tie goes to the child, freed first.
-    State: key, evictable block -> (next use, when freed); order (LRU's), the blocks whose
-    use is outside the window; heaps near of (-use, when, block), the rest, farthest first,
-    and later of (use, when, block), order's blocks with a use, moved to near as the window
-    reaches them; both rebuilt when most entries are stale (a hit leaves one), so they hold
-    at most two per evictable block."""
+    State: evictable, block -> (next use, when freed); order, those whose use is outside the
+    window, least recently freed first; near, a LazyHeap of the rest, farthest use first;
+    later, order's blocks with a use, nearest first, moved to near as the window reaches them."""
 
     def __init__(self, window, future=None):
-        super().__init__()  # order: the blocks no prompt in the window uses, LRU first
-        self.window, self.future = window, future
-        self.uses, self.key = {}, {}  # block -> its tokens' uses; evictable -> (use, seq)
-        self.near, self.later = [], []  # heaps of (-use, seq, block), (use, seq, block)
-        self.count = itertools.count()  # when each block was freed
-
-    def __len__(self):
-        return len(self.key)
-
-    def __contains__(self, block):
-        return block in self.key
+        self.window, self.future, self.uses = window, future, {}  # block -> its tokens' uses
+        self.evictable, self.order = {}, OrderedDict()
+        self.near, self.later, self.count = LazyHeap(), LazyHeap(), itertools.count()
 
     def cached(self, block, token_ids):
         self.uses[block] = self.future.get(tuple(token_ids), ())
@@ -2220,45 +2252,37 @@ class Lookahead(LRU):
         uses = self.uses[block]
         i = bisect.bisect_left(uses, now)  # the first use after the prompts admitted so far
         use, seq = uses[i] if i < len(uses) else math.inf, next(self.count)
-        self.key[block] = (use, seq)
+        self.evictable[block] = (use, seq)
         if use < now + self.window:
-            heapq.heappush(self.near, (-use, seq, block))
+            self.near.push(block, (-use, seq))
         else:
             self.order[block] = None
             if use < math.inf:
-                heapq.heappush(self.later, (use, seq, block))
-        if len(self.near) + len(self.later) > 2 * len(self.key):  # mostly stale: rebuild, as FIFO
-            live = [(use, seq, block) for block, (use, seq) in self.key.items()]
-            self.near = [(-use, seq, block) for use, seq, block in live if block not in self.order]
-            self.later = [entry for entry in live if entry[2] in self.order and entry[0] < math.inf]
-            heapq.heapify(self.near)
-            heapq.heapify(self.later)
+                self.later.push(block, (use, seq))
 
     def hit(self, block):
-        del self.key[block]  # its heap entries are now stale, skipped when popped
+        del self.evictable[block]
         self.order.pop(block, None)
+        self.near.discard(block)
+        self.later.discard(block)
 
     def victim(self, now):
-        while len(self.later) > 0 and self.later[0][0] < now + self.window:  # in view now
-            use, seq, block = heapq.heappop(self.later)
-            if self.key.get(block) == (use, seq):
-                del self.order[block]
-                heapq.heappush(self.near, (-use, seq, block))
-        if len(self.order) > 0:
-            block = self.order.popitem(last=False)[0]
-        else:
-            while True:  # ends: every evictable block outside order has a live entry here
-                use, seq, block = heapq.heappop(self.near)
-                if self.key.get(block) == (-use, seq):
-                    break
-        del self.key[block]
+        while len(self.later) > 0 and self.later.peek()[0][0] < now + self.window:  # in view
+            block = self.later.pop()
+            del self.order[block]
+            use, seq = self.evictable[block]
+            self.near.push(block, (-use, seq))
+        block = self.order.popitem(last=False)[0] if len(self.order) > 0 else self.near.pop()
+        self.later.discard(block)
+        del self.evictable[block]
         return block
 
 
 def trace_future(prompts, block_size):
     """Each full block's tokens (a tuple) -> the numbers of the prompts using it, in order
     (a prompt's number counts the non-empty prompts before it: the pool's clock). ValueError
-    if a block's tokens follow two different blocks: Lookahead takes them for their prefix."""
+    if a block's tokens follow two different blocks: Lookahead takes them for their prefix,
+    as a Mooncake hash id stands for its whole prefix."""
     future, before = {}, {}  # tokens -> the tokens of the block before them (None: first)
     for number, prompt in enumerate(prompt for prompt in prompts if len(prompt) > 0):
         previous = None
@@ -2277,8 +2301,8 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
     index): admit the prompt (trace_prompt; prompts: all of them, if the caller has them), append
     the decode tokens one at a time from a counter above every prompt token, free. policy "optimal"
     is Lookahead(math.inf); a Lookahead without a future is replaced by a new one of its window
-    with this trace's (trace_future, which refuses ids that do not stand for one prefix, as
-    load_trace does). Returns the pool."""
+    with this trace's (trace_future, which refuses ids that do not stand for one prefix).
+    Returns the pool."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal":
@@ -2294,12 +2318,11 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
 TRACE_SIZES = 4  # pool sizes on a log scale, from the longest request to "never evicts"
 KNEE = 0.9       # the share of the ceiling where a hit-rate curve counts as flattened
 WINDOWS = (100, 300, 1000)  # prompts a Lookahead policy sees ahead, in the gap table
-THREE_M = 3_000_000 // TRACE_ID_TOKENS  # the paper's 3M-token local cache, in 512-token ids
-PAPER_MOONCAKE = [  # quoted, with the trace each refers to
-    ("FAST'25, conversation trace", ("the workload has an average of approximately 40% prefix "
-                                     "caching ratio brought about by multi-turn conversations")),
-    ("FAST'25", ("a local cache with a 3M token capacity does not achieve 50% of the "
-                 "theoretical maximum hit rate in most scenarios"))]
+THREE_M = 3_000_000 // TRACE_ID_TOKENS  # Mooncake's 3M-token local cache, in 512-token ids
+MOONCAKE_RATIO = {"conversation": 0.40, "tool&agent": 0.59, "synthetic": 0.66}  # FAST'25,
+# Table 2, "cache ratio" per trace; and its 5.3.1, quoted:
+MOONCAKE_3M = ("a local cache with a 3M token capacity does not achieve 50% of the theoretical "
+               "maximum hit rate in most scenarios")
 
 
 def progress(line):
@@ -2312,18 +2335,16 @@ def progress(line):
 
 
 def demo_trace(path, limit, block_size, index="hash"):
-    """Replay path's requests at each pool size and policy the tables print, each once."""
+    """Replay path's requests at each pool size and policy the tables print, each once; with
+    index "radix", LRU on both indexes at every size too."""
     requests = load_trace(path, limit)
-    ceiling, total = trace_ceiling(requests)
-    if ceiling == 0:  # no full prompt block (a hash id) comes twice
-        raise ValueError(f"{path}: no {TRACE_ID_TOKENS}-token hash id repeats: no cache can hit")
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
-    def replay(policy, size, with_index=index):
+    def replay(policy, size, with_index="hash"):
         """The pool of one replay, each run once; a number is a Lookahead window."""
         if (policy, size, with_index) not in pools:
             progress(f"trace: replay {len(pools) + 1} ({'lookahead ' * (type(policy) is int)}"
-                     f"{policy}, {size:,} blocks)")
+                     f"{policy}, {with_index}, {size:,} blocks)")
             spec = Lookahead(math.inf if policy == "optimal" else policy, future) if type(
                 policy) is int or policy == "optimal" else policy
             pools[policy, size, with_index] = replay_trace(requests, size, spec, block_size,
@@ -2333,6 +2354,9 @@ def demo_trace(path, limit, block_size, index="hash"):
     need = [cdiv(len(p) + trace_decode_len(r, block_size), block_size)
             for r, p in zip(requests, prompts, strict=True)]
     never = replay("lru", sum(need))
+    ceiling, total = never.hits, never.hits + never.misses
+    if ceiling == 0:  # no full prompt block (a hash id) comes twice
+        raise ValueError(f"{path}: no {TRACE_ID_TOKENS}-token hash id repeats: no cache can hit")
     roomy, longest = never.next_unused, max(need)  # roomy: the smallest pool that never evicts
     ratio = (roomy / longest) ** (1 / (TRACE_SIZES - 1))
     sizes = sorted({round(longest * ratio ** k) for k in range(TRACE_SIZES - 1)} | {roomy}
@@ -2340,11 +2364,11 @@ def demo_trace(path, limit, block_size, index="hash"):
     def rate(policy, s):  # never evicting, every policy is one
         return (replay(policy, s) if s < roomy else never).hits / total
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
-    print(f"== trace: {len(requests):,} requests of {name}, {index} index ==")
+    print(f"== trace: {len(requests):,} requests of {name} ==")
     print(f"{total:,} full prompt blocks (a {TRACE_ID_TOKENS}-token hash id each; block size "
-          f"{block_size} in the replay); a cache")
-    print(f"that never forgets hits {ceiling / total:.1%} (the ceiling); the replay on {roomy:,} "
-          f"blocks, which never evicts, {never.hits / total:.1%}")
+          f"{block_size} in the replay); on {roomy:,}")
+    print(f"blocks the replay never evicts and hits {ceiling / total:.1%}: the ceiling, which no "
+          "cache passes")
     print("   pool blocks           tokens      LRU  optimal   LRU/optimal  optimal/ceiling")
     for s in sizes:
         lru, optimal = rate("lru", s), rate("optimal", s)
@@ -2357,56 +2381,52 @@ def demo_trace(path, limit, block_size, index="hash"):
               f"optimum's {optimal:,}")
     center = THREE_M if THREE_M in sizes else optimal  # else the knee: the optimum's at KNEE
     near = sizes[max(0, sizes.index(center) - 1):sizes.index(center) + 2]  # and its neighbours
-    trace_gap([s for s in near if s < roomy], rate, center)  # where policies differ: they evict
-    print(f"hash chain against radix tree, LRU, {center:,} blocks:")
-    for with_index, work in (("hash", "hashes looked up"), ("radix", "child look-ups")):
-        pool = replay("lru", center, with_index)
-        print(f"   {with_index:<6} {pool.hits:>9,} hits  {len(pool.index):>7,} index entries at "
-              f"the end  {pool.stats.work / pool.stats.prompts:>5.1f} {work} per prompt")
-    print("Quoted, Mooncake:")
-    for source, quote in PAPER_MOONCAKE:
-        print(textwrap.fill(f'({source}) "{quote}"', 96, initial_indent="   ",
-                            subsequent_indent="   "))
-    print("   its Table 2 gives each trace's cache ratio: conversation 40%, synthetic 66%")
-    print(f"   ours, {name}: a ceiling of {ceiling / total:.1%}; LRU at 3M tokens: " + (
-        f"{rate('lru', THREE_M) * total / ceiling:.0%} of the ceiling" if THREE_M in sizes
-        else "no pool here is 3M tokens"))
+    trace_gap([s for s in near if s < roomy], rate)  # where policies differ: they evict
+    if index == "radix":
+        print("hash chain against radix tree, LRU: the chain evicts a block at a time, the tree "
+              "whole leaves")
+        print_two_seams([replay("lru", s, i) for s in sizes if s < roomy for i in INDEXES])
+    trace_vs_mooncake(name, ceiling / total, rate("lru", THREE_M) if THREE_M in sizes else None)
 
 
-def trace_gap(sizes, rate, center):
+def trace_gap(sizes, rate):
     """Online policies against LRU and the optimum, rate(policy, size) each: hit rate, and
-    the share of the optimum's lead over LRU recovered ("-" where LRU has the optimum's hits);
-    then the look-ahead for half of it at center, narrowed by halving thrice between the
-    windows either side of half."""
-    print(f"online policies around {center:,} blocks: hit rate (the share of the optimum's lead "
-          "over LRU")
-    print("   recovered); lookahead W: evict the block whose next use in the next W prompts is "
-          "farthest")
+    the share of the optimum's lead over LRU recovered ("-" where LRU has the optimum's hits)."""
+    print("online policies: hit rate (the share of the optimum's lead over LRU recovered); "
+          "lookahead W:")
+    print("   evict the block whose next use in the next W prompts is farthest")
     print("   policy       " + "".join(f"{s:>14,} blocks" for s in sizes))
-    def recovered(policy, s):
-        return (rate(policy, s) - rate("lru", s)) / max(rate("optimal", s) - rate("lru", s), 1e-9)
-
-    def share(policy, s):  # "-" where LRU already has the optimum's hits: no lead to share
-        no_lead = rate("optimal", s) <= rate("lru", s)
-        return "  -" if no_lead else f"{round(recovered(policy, s), 2) + 0.0:.0%}"
+    def recovered(policy, s):  # None where LRU already has the optimum's hits: no lead
+        lead = rate("optimal", s) - rate("lru", s)
+        return None if lead <= 0 else round((rate(policy, s) - rate("lru", s)) / lead, 2) + 0.0
     for policy in ("lru", "fifo", "s3fifo", *WINDOWS, "optimal"):
         label = f"lookahead {policy}" if type(policy) is int else policy
-        print(f"   {label:<14}" + "".join(f"{rate(policy, s):>10.1%} ({share(policy, s):>4})"
-                                           for s in sizes))
-    if rate("optimal", center) <= rate("lru", center):
-        print(f"   at {center:,} blocks LRU already matches the optimum")
-        return
-    high = next((w for w in WINDOWS if recovered(w, center) >= 0.5), None)
-    low = max((w for w in WINDOWS if high is not None and w < high), default=0)
-    for _ in range(3 if high is not None else 0):  # narrow it down: halve the gap, thrice
-        middle = (low + high) // 2
-        low, high = (middle, high) if recovered(middle, center) < 0.5 else (low, middle)
-    best = max(recovered(p, center) for p in ("fifo", "s3fifo"))
-    print(f"   at {center:,} blocks, half the lead takes " + (
-        f"a look-ahead of {low + 1}-{high} prompts" if high is not None else
-        f"more than {WINDOWS[-1]} prompts of look-ahead") + ";")
-    print(f"   without look-ahead, the best (FIFO or S3-FIFO) recovers {round(best, 2) + 0.0:.0%}: "
-          f"{'more' if best > 0.2 else 'no more'} than a fifth")
+        shares = ["   -" if recovered(policy, s) is None else f"{recovered(policy, s):>4.0%}"
+                  for s in sizes]
+        print(f"   {label:<14}" + "".join(f"{rate(policy, s):>10.1%} ({share})"
+                                           for s, share in zip(sizes, shares, strict=True)))
+    leads = [s for s in sizes if recovered("lru", s) is not None]
+    if len(leads) > 0:
+        s = leads[len(leads) // 2]
+        online = max(recovered(p, s) for p in ("fifo", "s3fifo"))
+        print(f"   at {s:,} blocks a look-ahead of {WINDOWS[-1]} prompts recovers "
+              f"{recovered(WINDOWS[-1], s):.0%} of the optimum's lead; FIFO or S3-FIFO,")
+        print(f"   which see no future, at best {online:.0%}")
+
+
+def trace_vs_mooncake(name, ceiling, lru_3m):
+    """This trace's ceiling and LRU at 3M tokens beside Mooncake's Table 2 and its 5.3.1."""
+    trace = next((t for t in MOONCAKE_RATIO if t.split("&")[0] in name), None)
+    print(textwrap.fill(f'vs Mooncake (FAST\'25), quoted: "{MOONCAKE_3M}" (5.3.1); its Table 2 '
+                        'gives each trace\'s "cache ratio"', 96, subsequent_indent="   "))
+    print("   trace          cache ratio   ours: ceiling   LRU at 3M tokens   LRU / ceiling")
+    cells = ("-" if trace is None else f"{MOONCAKE_RATIO[trace]:.0%}", f"{ceiling:.1%}",
+             *(("-", "-") if lru_3m is None else (f"{lru_3m:.1%}", f"{lru_3m / ceiling:.0%}")))
+    print(f"   {trace or name:<13}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (12, 16, 19, 16))))
+    print("   (their ratio counts tokens; ours counts full blocks, a 512-token hash id each)")
+    if lru_3m is not None:
+        print(f"   here a 3M-token LRU cache reaches {lru_3m / ceiling:.0%} of the ceiling, the "
+              "hit rate no cache passes")
 
 
 # ---------------------------------------------------------------------------------------

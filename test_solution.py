@@ -8,6 +8,7 @@ block tables do, each sequence must read back exactly that list.
 """
 
 import ast
+import copy
 import gc
 import hashlib
 import importlib.util
@@ -499,33 +500,28 @@ def caching(lab, num_blocks, block_size=4, policy="lru", index="hash"):
     return lab.PrefixCachingAllocator(num_blocks, block_size, policy, index)
 
 
-INDEXES = ["hash", "radix"]
+class TestPart6aHashChain:
 
-
-class TestPart6Cache:
-
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_cache_lookup_worked_example(self, lab, index):
-        pool = caching(lab, 16, index=index)
+    def test_cache_lookup_worked_example(self, lab):
+        pool = caching(lab, 16)
         a = lab.Sequence("a", pool, range(10))
         first_two = list(a.block_table[:2])
         a.free()
         assert pool.share_cached_prefix([*range(8), *range(50, 55)]) == (first_two, 8)
         assert (pool.hits, pool.misses) == (2, 3)  # a: 2 misses; the lookup: 2 hits, 1 miss
 
-    @pytest.mark.parametrize("index", INDEXES)
     @pytest.mark.parametrize("prompt, exception", [
         ([True, 2, 3, 4, 5], TypeError),  # True == 1: a match by == would take the cached block
         ([1, 2, 3, 4, -1], ValueError), ([1, 2, 3, 4, "a"], TypeError)])  # after the cached one
     def test_a_caching_pool_refuses_bad_token_ids_in_or_after_a_cached_prefix(
-            self, lab, index, prompt, exception):
-        pool = caching(lab, 8, index=index)
+            self, lab, prompt, exception):
+        pool = caching(lab, 8)
         lab.Sequence("a", pool, [1, 2, 3, 4, 5]).free()  # block [1, 2, 3, 4] stays cached
         refused(lambda: lab.Sequence("b", pool, prompt), exception, pool)
 
     @pytest.mark.parametrize("block", [True, 1.0, 3, 9])
     def test_a_caching_pool_refuses_to_free_what_is_no_block_in_use(self, lab, block):
-        pool = caching(lab, 4, index="hash")  # True == 1.0 == 1 as dict keys: not a block id
+        pool = caching(lab, 4)  # True == 1.0 == 1 as dict keys: not a block id
         seq = lab.Sequence("a", pool, range(8))  # blocks 0 and 1, both cached
         refused(lambda: pool.free(block), ValueError, pool, [seq])
 
@@ -535,9 +531,8 @@ class TestPart6Cache:
             lab.hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8])
         assert len(h0) == 32 and h0 == lab.hash_block_tokens(None, (1, 2, 3, 4))
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_a_freed_cached_block_is_revived_not_recomputed(self, lab, index):
-        pool = caching(lab, 4, index=index)
+    def test_a_freed_cached_block_is_revived_not_recomputed(self, lab):
+        pool = caching(lab, 4)
         a = lab.Sequence("a", pool, range(8))
         blocks = list(a.block_table)
         a.free()
@@ -545,9 +540,8 @@ class TestPart6Cache:
         b = lab.Sequence("b", pool, range(8))
         assert list(b.block_table) == blocks and pool.hits == 2 and pool.num_cached == 0
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_blocks_filled_by_decode_are_cached_and_partial_ones_never_reused(self, lab, index):
-        pool = caching(lab, 8, index=index)
+    def test_blocks_filled_by_decode_are_cached_and_partial_ones_never_reused(self, lab):
+        pool = caching(lab, 8)
         a = lab.Sequence("a", pool, range(3))
         a.append(3)  # fills the first block
         a.extend([4, 5])
@@ -555,143 +549,69 @@ class TestPart6Cache:
         b = lab.Sequence("b", pool, range(6))
         assert (pool.hits, pool.misses) == (1, 0) and b.read() == list(range(6))
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_equal_blocks_after_a_different_history_never_match(self, lab, index):
-        pool = caching(lab, 8, index=index)
+    def test_equal_blocks_after_a_different_history_never_match(self, lab):
+        pool = caching(lab, 8)
         lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6, 7, 8])
         b = lab.Sequence("b", pool, [9, 9, 9, 9, 5, 6, 7, 8])
         assert pool.hits == 0 and pool.num_used == 4 and b.read() == [9, 9, 9, 9, 5, 6, 7, 8]
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_lru_evicts_the_least_recently_freed_tail_first_and_a_hit_refreshes(self, lab, index):
-        pool = caching(lab, 4, index=index)
+    def test_lru_evicts_the_least_recently_freed_tail_first_and_a_hit_refreshes(self, lab):
+        pool = caching(lab, 4)
         for name, start in (("a", 0), ("b", 100)):
             lab.Sequence(name, pool, range(start, start + 8)).free()
         lab.Sequence("a again", pool, range(8)).free()  # a is the most recent now
         lab.Sequence("c", pool, range(200, 204))  # takes b's tail block
         hits = pool.hits
         lab.Sequence("b again", pool, range(100, 108))
-        assert pool.hits - hits == 1 and pool.evictions >= 1  # b's head survived its tail
+        assert pool.hits - hits == 1 and pool.stats.evicted == 2  # b's head outlived its tail
 
     def test_never_cached_free_blocks_go_before_evicting(self, lab):
         pool = caching(lab, 4)
         lab.Sequence("a", pool, range(4)).free()
         lab.Sequence("b", pool, range(100, 106)).free()  # block 2 partial: free, uncached
         lab.Sequence("c", pool, [7])
-        assert pool.evictions == 0 and pool.num_cached == 2
+        assert pool.stats.evicted == 0 and pool.num_cached == 2
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks(self, lab, index):
-        pool = caching(lab, 3, index=index)
+    def test_a_prompt_evicts_once_for_what_it_lacks_and_a_block_chain_frees_no_more(self, lab):
+        pool = caching(lab, 6)
+        lab.Sequence("a", pool, range(24)).free()  # 6 cached blocks, nothing else free
+        lab.Sequence("b", pool, range(100, 112))  # 3 blocks: one eviction of 3
+        assert (pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (1, 3, 0)
+        assert pool.share_cached_prefix(list(range(12)))[1] == 12  # a's head outlived its tail
+
+    def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks(self, lab):
+        pool = caching(lab, 3)
         lab.Sequence("a", pool, range(8)).free()
         held = lab.Sequence("held", pool, range(100, 104))
         refused(lambda: lab.Sequence("b", pool, [*range(8), *range(300, 305)]),
                 lab.OutOfBlocksError, pool, [held])
         assert lab.Sequence("c", pool, range(8)).read() == list(range(8))  # it fits by its hits
 
-    @pytest.mark.parametrize("index", INDEXES)
-    def test_a_block_shared_partly_leaves_the_cache_so_cached_kv_is_never_overwritten(
-            self, lab, index):
-        pool = caching(lab, 8, index=index)
+    def test_sharing_the_start_of_a_cached_block_copies_it_so_cached_kv_is_never_overwritten(
+            self, lab):
+        pool = caching(lab, 8)
         a = lab.Sequence("a", pool, range(8))
-        x = lab.share_prefix(a, "x", 6)
+        x = lab.share_prefix(a, "x", 6)  # x gets a copy of a's second block, cached and full
+        assert x.block_table[0] == a.block_table[0] and x.block_table[1] != a.block_table[1]
         a.free()
-        x.extend([60, 70])  # x writes the rest of a's second block, in place: x holds it alone
+        x.extend([60, 70])
         b = lab.Sequence("b", pool, range(8))
         assert b.read() == list(range(8)) and x.read() == [0, 1, 2, 3, 4, 5, 60, 70]
+        assert pool.num_copies == 1
         lab.check_invariants(pool, [x, b])
 
-    @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
-    @pytest.mark.parametrize("index", INDEXES + ["token"])
-    def test_random_operations_on_a_caching_pool_leave_no_index_entry_behind(self, lab, policy,
-                                                                            index):
-        for block_size, seed in ((1, 0), (2, 1), (4, 2)):
-            idx = lab.RadixIndex(block_size, True) if index == "token" else index
-            pool = caching(lab, 12, block_size, policy, idx)
-            lab.fuzz(pool, random.Random(seed), 500)
-            pool.allocate_many(12)  # evicts every cached block
-            assert len(pool.index) == 0 and pool.num_cached == 0
+    def test_a_copy_that_does_not_fit_refuses_the_share_whole(self, lab):
+        pool = caching(lab, 2)
+        a = lab.Sequence("a", pool, range(8))
+        refused(lambda: lab.share_prefix(a, "x", 6), lab.OutOfBlocksError, pool, [a])
 
-    @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
-    def test_both_indexes_give_the_same_hits_on_the_same_operations(self, lab, policy):
-        for block_size, seed in ((1, 3), (2, 4), (4, 5), (16, 6)):
-            hashed, radix = (caching(lab, 12, block_size, policy, index) for index in INDEXES)
-            counts = [lab.fuzz(pool, random.Random(seed), 800) for pool in (hashed, radix)]
-            assert counts[0] == counts[1] and (hashed.hits, hashed.misses, hashed.evictions) == (
-                radix.hits, radix.misses, radix.evictions)
-        stream = lab.chat_stream(4)
-        for blocks in (64, 128, 256):
-            assert lab.serve(caching(lab, blocks, 16, policy), stream).hits == lab.serve(
-                caching(lab, blocks, 16, policy, "radix"), stream).hits
-
-    def test_the_radix_tree_splits_an_edge_where_a_new_block_branches(self, lab):
-        pool = caching(lab, 8, 2, index="radix")
-        lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6])
-        assert len(pool.index) == 1  # one node: [1 2 3 4 5 6]
-        lab.Sequence("b", pool, [1, 2, 7, 8])
-        assert len(pool.index) == 3  # [1 2] -> {[3 4 5 6], [7 8]}
-        assert pool.hits == 1 and pool.index.match([1, 2, 3, 4, 9, 9])[:2] == (
-            pool.index.match([1, 2, 3, 4])[0], 4)
-
-    def test_a_split_moves_the_places_above_it_so_finding_a_block_walks_nowhere(self, lab):
-        pool = caching(lab, 64, 1, index="radix")
-        lab.Sequence("a", pool, range(20))
-        for k in range(19, 0, -1):  # each splits the run 0..19 once more, nearer its start
-            lab.Sequence(k, pool, [*range(k), 100 + k]).free()
-        assert len(pool.index) == 39  # 0 | 1 | ... | 19, and a leaf beside each but the first
-        for node, position in pool.index.place.values():  # in its node, not below it
-            assert node.start + node.first <= position < node.start + len(node.blocks)
-
-    def test_a_split_copies_only_the_entries_above_the_cut_not_the_rest_of_the_node(self, lab):
-        pool = caching(lab, 1100, 1, index="radix")
-        lab.Sequence("long", pool, range(1000)).free()
-        tail = next(iter(pool.index.root.children.values()))
-        lists = (tail.tokens, tail.blocks, tail.holders)
-        lab.Sequence("short", pool, [0, 1, 2, 99])  # splits the 1000-entry node after 3 entries
-        assert [len(head.blocks) for head in pool.index.root.children.values()] == [3]
-        assert tail.first == 3  # the tail keeps its own lists: nothing below the cut moved
-        assert all(a is b for a, b in zip((tail.tokens, tail.blocks, tail.holders), lists,
-                                          strict=True))
-        assert [len(lab.Sequence(i, pool, p).block_table) for i, p in
-                enumerate([range(1000), [0, 1, 2, 99]])] == [1000, 4]
-        assert pool.hits == 1000 + 4 + 3
-
-    def test_the_radix_tree_evicts_a_leaf_before_its_parent(self, lab):
-        pool = caching(lab, 4, 2, index="radix")
-        lab.Sequence("a", pool, [1, 2, 3, 4]).free()
-        lab.Sequence("b", pool, [1, 2, 5, 6]).free()  # the tree: [1 2] -> {[3 4], [5 6]}
-        lab.Sequence("c", pool, [9, 9, 8, 8])  # a never-used block, then one evicted: [3 4]
-        assert pool.evictions == 1 and len(pool.index) == 3  # [1 2] -> [5 6]; c's [9 9 8 8]
-        assert [len(pool.index.match(p)[0]) for p in ([1, 2, 3, 4], [1, 2, 5, 6])] == [1, 2]
-        lab.Sequence("d", pool, [7, 7, 7, 7])  # [5 6], then its parent, now a leaf
-        assert pool.evictions == 3 and len(pool.index) == 2 and pool.index.match([1, 2])[0] == []
-
-    @pytest.mark.parametrize("index, work", [("hash", 3), ("radix", 2)])
-    def test_the_work_of_admission_counts_hashes_looked_up_or_children_visited(self, lab, index,
-                                                                               work):
-        pool = caching(lab, 8, 4, index=index)
-        lab.Sequence("a", pool, range(8))  # hash: 1 look-up, a miss; radix: the root's children
-        lab.Sequence("b", pool, range(9))  # hash: 2 hits; radix: one child, then along its run
-        assert pool.stats.work == work
-
-    def test_a_block_that_fills_a_hole_in_a_run_takes_its_place_without_a_split(self, lab):
-        index = lab.RadixIndex(2)
-        index.insert(10, None, [1, 2])
-        index.insert(11, 10, [3, 4])  # one node: [1 2 3 4]
-        index.uncache(11)  # a hole where [3 4] was offered
-        assert index.insert(12, 10, [3, 4]) and index.holds(12) and len(index) == 1
-
-    def test_fifo_rebuilds_its_heap_of_stale_entries_and_still_evicts_oldest_cached_first(
-            self, lab):
-        fifo = lab.FIFO()
-        for block in range(4):
-            fifo.cached(block, [block])
-            fifo.freed(block, 0)
-        for block in [3, 2, 1, 0, 3]:  # each hit and free leaves a stale entry behind
-            fifo.hit(block)
-            fifo.freed(block, 0)
-        assert len(fifo.heap) <= 2 * len(fifo)  # rebuilt: O(1) amortized per free
-        assert [fifo.victim(0) for _ in range(4)] == [0, 1, 2, 3]
+    @pytest.mark.parametrize("block_size, seed", [(1, 0), (2, 1), (4, 2), (16, 3)])
+    def test_random_operations_on_a_caching_pool_leave_no_index_entry_behind(self, lab,
+                                                                            block_size, seed):
+        pool = caching(lab, 12, block_size)
+        lab.fuzz(pool, random.Random(seed), 600)
+        pool.allocate_many(12)  # evicts every cached block
+        assert pool.num_cached == 0 and pool.index.cached == {} and pool.index.block_hash == {}
 
     @pytest.mark.parametrize("corrupt", ["lost", "in use"])
     def test_the_audit_finds_a_policy_that_disagrees_with_the_evictable_blocks(self, lab,
@@ -700,11 +620,135 @@ class TestPart6Cache:
         lab.Sequence("a", pool, range(4)).free()  # block 0: cached, evictable
         lab.audit(pool)
         if corrupt == "lost":
-            del pool.policy.order[0]  # forgotten by the policy: never evicted
+            del pool.index.policy.evictable[0]  # forgotten by the policy: never evicted
         else:
             pool.ref_cnt[0] = 1  # in use again, the policy not told: it could evict it
         with pytest.raises(AssertionError):
             lab.audit(pool)
+
+    def test_the_work_of_admission_counts_the_hashes_looked_up(self, lab):
+        pool = caching(lab, 8, 4)
+        lab.Sequence("a", pool, range(8))  # 1 look-up, a miss
+        lab.Sequence("b", pool, range(9))  # 2 hits
+        assert pool.stats.work == 3
+
+    def test_an_unknown_policy_or_index_name_is_refused(self, lab):
+        for bad in ({"policy": "mru"}, {"policy": "optimal"}, {"index": "tree"}):
+            with pytest.raises(ValueError):
+                lab.PrefixCachingAllocator(4, 4, **bad)
+        assert lab.PrefixCachingAllocator(4, 4, lab.LRU()).hit_rate == 0.0
+
+
+def tree_shape(node):
+    """{a child's tokens (a tuple): its shape}, from node down."""
+    return {tuple(child.tokens): tree_shape(child) for child in node.children.values()}
+
+
+def brute_evict(index, n, in_use):
+    """What whole-leaf eviction must free, found by scanning every node of index (changed):
+    the candidate leaf of lowest priority first, each but its blocks in in_use."""
+    freed = []
+    while len(freed) < n:
+        nodes = [index.root]
+        for node in nodes:
+            nodes += node.children.values()
+        leaf = min((node for node in nodes[1:] if len(node.children) == 0
+                    and any(block not in in_use for block in node.blocks)),
+                   key=lambda node: (node.created if index.policy == "fifo" else node.last_access,
+                                     node.number))
+        keep = sum(block in in_use for block in leaf.blocks)
+        freed += leaf.blocks[keep:]
+        del leaf.blocks[keep:]
+        if keep == 0:
+            del leaf.parent.children[next(k for k, c in leaf.parent.children.items() if c is leaf)]
+    return freed
+
+
+class TestPart6bRadixTree:
+
+    def test_the_radix_worked_example_step_by_step(self, lab):
+        pool = caching(lab, 6, 2, index="radix")
+        tree = pool.index
+        lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6]).free()
+        assert tree_shape(tree.root) == {(1, 2, 3, 4, 5, 6): {}} and len(tree) == 3
+        b = lab.Sequence("b", pool, [1, 2, 3, 4, 7, 8])
+        assert pool.hits == 2 and list(b.block_table) == [0, 1, 3]
+        assert tree_shape(tree.root) == {(1, 2, 3, 4): {(5, 6): {}, (7, 8): {}}}
+        assert [tree.node_of[block].lock_ref for block in (0, 2, 3)] == [2, 0, 1]
+        c = lab.Sequence("c", pool, range(10, 16))  # blocks 4, 5, then the one evicted: 2
+        assert (pool.stats.evictions, pool.stats.evicted) == (1, 1) and 2 in c.block_table
+        assert tree_shape(tree.root) == {(1, 2, 3, 4): {(7, 8): {}}, tuple(range(10, 16)): {}}
+        b.free()
+        c.free()
+        d = lab.Sequence("d", pool, range(20, 26))
+        assert (pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (2, 4, 0)
+        assert sorted(d.block_table) == [0, 1, 3]  # [7 8], then its parent [1 2 3 4]
+        assert tree_shape(tree.root) == {tuple(range(10, 16)): {}, tuple(range(20, 26)): {}}
+
+    def test_a_whole_leaf_is_freed_even_past_the_need(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
+        lab.Sequence("a", pool, range(16)).free()  # one leaf of 8 blocks
+        lab.Sequence("b", pool, [99, 98])
+        assert (pool.stats.evicted, pool.stats.beyond, pool.num_cached) == (8, 7, 0)
+
+    def test_a_lock_on_the_first_blocks_of_a_node_leaves_the_rest_evictable(self, lab):
+        pool = caching(lab, 6, 2, index="radix")
+        a = lab.Sequence("a", pool, range(8))  # one node of 4 blocks
+        x = lab.share_prefix(a, "x", 4)  # holds its first 2
+        a.free()
+        assert pool.index.node_of[x.block_table[0]].lock_ref == 2
+        y = lab.Sequence("y", pool, range(100, 108))  # 2 free blocks, then the node's last 2
+        assert pool.stats.evicted == 2 and x.read() == [0, 1, 2, 3]
+        lab.check_invariants(pool, [x, y])
+
+    def test_a_leaf_grows_as_its_sequence_decodes(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
+        a = lab.Sequence("a", pool, [1, 2])
+        for token in range(3, 9):
+            a.append(token)
+        assert tree_shape(pool.index.root) == {(1, 2, 3, 4, 5, 6, 7, 8): {}}
+
+    @pytest.mark.parametrize("policy", ["lru", "fifo"])
+    @pytest.mark.parametrize("token_level", [False, True])
+    def test_eviction_frees_what_a_scan_of_every_leaf_would(self, lab, monkeypatch, policy,
+                                                            token_level):
+        pools = []
+        real = lab.RadixIndex.evict
+        def checked(index, n, now):  # the scan, on a copy of the tree first
+            expected = brute_evict(copy.deepcopy(index), n, pools[-1].ref_cnt)
+            freed = real(index, n, now)
+            assert freed == expected
+            return freed
+        monkeypatch.setattr(lab.RadixIndex, "evict", checked)
+        for block_size, seed in ((1, 0), (2, 1), (4, 2)):
+            pools.append(caching(lab, 12, block_size, index=lab.RadixIndex(block_size, policy,
+                                                                             token_level)))
+            lab.fuzz(pools[-1], random.Random(seed), 500)
+            pools[-1].allocate_many(12)  # evicts every cached block
+            assert pools[-1].num_cached == 0 and pools[-1].index.node_of == {}
+            assert pools[-1].index.root.children == {}
+        stream = lab.chat_stream(4)
+        pools.append(caching(lab, 128, 16, index=lab.RadixIndex(16, policy, token_level)))
+        assert lab.serve(pools[-1], stream).stats.evictions > 0
+
+    def test_with_room_for_everything_the_tree_hits_what_the_hash_chain_hits(self, lab):
+        stream = lab.chat_stream(4)
+        assert lab.serve(caching(lab, 600, 16), stream).hits == lab.serve(
+            caching(lab, 600, 16, index="radix"), stream).hits
+
+    def test_the_audit_finds_a_lock_that_disagrees_with_the_blocks_in_use(self, lab):
+        pool = caching(lab, 4, 2, index="radix")
+        seq = lab.Sequence("a", pool, range(4))
+        lab.audit(pool)
+        pool.index.node_of[seq.block_table[0]].lock_ref = 1  # its last block looks free
+        with pytest.raises(AssertionError):
+            lab.audit(pool)
+
+    def test_the_work_of_admission_counts_the_children_looked_up(self, lab):
+        pool = caching(lab, 8, 4, index="radix")
+        lab.Sequence("a", pool, range(8))  # the root's children: a miss
+        lab.Sequence("b", pool, range(9))  # one child, then along its run
+        assert pool.stats.work == 2
 
     def test_a_token_level_match_reuses_a_partial_block_through_a_copy(self, lab):
         pool = caching(lab, 8, 4, index=lab.RadixIndex(4, token_level=True))
@@ -721,18 +765,83 @@ class TestPart6Cache:
         pool = caching(lab, 2, 4, index=lab.RadixIndex(4, token_level=True))
         lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6]).free()  # both blocks cached, evictable
         b = lab.Sequence("b", pool, [1, 2, 3, 4, 5, 9])  # the copy of block 1 needs a block:
-        assert b.block_table == [0, 1] and pool.evictions == 1 and pool.num_copies == 1  # 1
-        assert b.read() == [1, 2, 3, 4, 5, 9] and pool.index.blocks() == [0]
+        assert list(b.block_table) == [0, 1] and pool.stats.evicted == 1  # 1, copied onto itself
+        assert b.read() == [1, 2, 3, 4, 5, 9] and list(pool.index.node_of) == [0]
         lab.check_invariants(pool, [b])
 
-    def test_policies_and_indexes_are_names_or_new_objects(self, lab):
-        for bad, exception in (({"policy": "mru"}, ValueError), ({"policy": "optimal"}, ValueError),
-                               ({"index": "tree"}, ValueError), ({"policy": 3}, TypeError),
-                               ({"index": lab.RadixIndex(8)}, ValueError)):
-            with pytest.raises(exception):
-                lab.PrefixCachingAllocator(4, 4, **bad)
-        pool = lab.PrefixCachingAllocator(4, 4, lab.FIFO(), lab.RadixIndex(4))
-        assert isinstance(pool.policy, lab.FIFO) and pool.hit_rate == 0.0
+    def test_a_leaf_priority_the_tree_does_not_know_is_refused(self, lab):
+        for policy in ("s3fifo", "optimal", lab.LRU()):
+            with pytest.raises(ValueError):
+                lab.PrefixCachingAllocator(4, 4, policy, "radix")
+
+    def test_a_lazy_heap_pops_the_least_live_key_and_keeps_at_most_two_entries_an_item(self,
+                                                                                      lab):
+        heap = lab.LazyHeap()
+        for item in range(4):
+            heap.push(item, 10 - item)
+        for key in range(20):
+            heap.push(0, 20 + key)  # each push leaves the last entry stale
+            assert len(heap.heap) <= 2 * len(heap)
+        heap.discard(3)
+        assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
+
+
+class TestPart6cPolicies:
+
+    @pytest.mark.parametrize("policy", ["fifo", "s3fifo"])
+    @pytest.mark.parametrize("block_size, seed", [(1, 0), (2, 1), (4, 2)])
+    def test_random_operations_under_each_policy_leave_no_index_entry_behind(
+            self, lab, policy, block_size, seed):
+        pool = caching(lab, 12, block_size, policy)
+        lab.fuzz(pool, random.Random(seed), 500)
+        pool.allocate_many(12)
+        assert pool.num_cached == 0 and pool.index.cached == {}
+
+    def test_fifo_evicts_the_block_cached_first_whatever_its_hits(self, lab):
+        fifo = lab.FIFO()
+        for block in range(4):
+            fifo.cached(block, [block])
+            fifo.freed(block, 0)
+        for block in [3, 2, 1, 0, 3]:  # hit, then freed again: FIFO does not care
+            fifo.hit(block)
+            fifo.freed(block, 0)
+        assert [fifo.victim(0) for _ in range(4)] == [0, 1, 2, 3] and len(fifo) == 0
+
+    def test_s3fifo_remembers_a_block_small_evicted_and_brings_its_tokens_back_to_main(self, lab):
+        policy = lab.S3FIFO()
+        def cache_and_free(block, tokens):
+            policy.cached(block, tokens)
+            policy.freed(block, 0)
+        cache_and_free(0, [0])
+        cache_and_free(1, [1])
+        assert policy.victim(0) == 0 and (0,) in policy.ghost  # seen once: out, remembered
+        cache_and_free(5, [0])  # the same tokens in another block: straight to main
+        assert 5 in policy.main and (0,) not in policy.ghost
+        cache_and_free(2, [2])
+        assert [policy.victim(0) for _ in range(3)] == [1, 2, 5]  # small first, main last
+
+    def test_s3fifo_moves_a_block_hit_twice_while_new_to_main_with_its_count_reset(self, lab):
+        policy = lab.S3FIFO()
+        policy.cached(0, [0])
+        policy.freed(0, 0)
+        for _ in range(2):  # block 0 is in use again, twice, while new
+            policy.hit(0)
+            policy.freed(0, 0)
+        policy.cached(1, [1])
+        policy.freed(1, 0)
+        assert policy.victim(0) == 1 and 0 in policy.main  # 0 moved to main, 1 went
+        policy.cached(5, [1])  # remembered: straight to main, behind 0
+        policy.freed(5, 0)
+        assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
+
+    def test_a_radix_tree_under_fifo_evicts_the_leaf_made_first(self, lab):
+        for policy, kept in (("lru", [0]), ("fifo", [100])):
+            pool = caching(lab, 4, 2, policy, "radix")
+            lab.Sequence("a", pool, [0, 1]).free()
+            lab.Sequence("b", pool, [100, 101]).free()
+            lab.Sequence("a again", pool, [0, 1]).free()  # a used last, b made last
+            lab.Sequence("c", pool, range(200, 206))  # 2 unused blocks, then one leaf
+            assert [key[0] for key in pool.index.root.children if key[0] < 200] == kept
 
     def test_vllms_worked_example_step_by_step(self, lab, capsys):
         maps = lab.cache_vllm_example()
@@ -747,13 +856,20 @@ class TestPart6Cache:
         assert "2 hits" in out and "3 hits" in out and "ours differ" in out
         assert "t3 request 0: 2 more decoded " in out and "t5 request 0 freed " in out
 
-    def test_the_cache_section_prints_both_indexes_and_the_same_214_blocks(self, lab, capsys):
+    def test_the_cache_section_prints_both_seams_and_the_same_214_blocks(self, lab, capsys):
         lab.demo_cache(16, None)
         out = capsys.readouterr().out
         assert "automatic cache       :  214 blocks used   hit rate 95.0%" in out
-        rows = re.findall(r"^ +\d+ +([\d.]+)%, ([\d.]+)%", out, re.MULTILINE)
-        assert len(rows) == 4 and all(h == r for h, r in rows)
-        assert "longest prefix" in out and "token-level" in out
+        rows = re.findall(r"^ +(\d+)  (hash|radix) +([\d.]+)% +(\d+) +(\d+) +(\d+) ", out,
+                          re.MULTILINE)
+        assert [index for _, index, *_ in rows] == ["hash", "radix"] * 4
+        assert all(beyond == "0" for _, index, _, _, _, beyond in rows if index == "hash")
+        assert any(int(beyond) > 0 for _, index, _, _, _, beyond in rows if index == "radix")
+        stream = lab.chat_stream(4)
+        for size, index, rate, evictions, freed, beyond in rows:
+            st = lab.serve(caching(lab, int(size), 16, "lru", index), stream).stats
+            assert (st.evictions, st.evicted, st.beyond) == (int(evictions), int(freed),
+                                                             int(beyond))
         assert all(f"\n{part}. " in out for part in range(1, 7))  # every part of the section
         orders = re.findall(r"^   (?:arrival|longest prefix) +hash +(\d+) +(\d+)$", out,
                             re.MULTILINE)
@@ -1052,13 +1168,8 @@ class TestPart11Trace:
     def test_a_look_ahead_keeps_at_most_two_heap_entries_per_evictable_block(self, lab):
         for window in (1, 1000):  # each request revives [1, 2], leaving two stale entries
             pool = lab.replay_trace(trace(lab, *[[1, 2]] * 50), 4, lab.Lookahead(window), 2)
-            policy = pool.policy
-            assert len(policy.near) + len(policy.later) <= 2 * len(policy.key) == 4
-
-    def test_a_pool_refuses_a_look_ahead_that_has_no_future(self, lab):
-        with pytest.raises(ValueError):
-            lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3))  # replay_trace gives it one
-        lab.PrefixCachingAllocator(4, 2, lab.Lookahead(3, {}))
+            policy = pool.index.policy
+            assert len(policy.near.heap) + len(policy.later.heap) <= 2 * len(policy) == 4
 
     def test_a_look_ahead_refuses_ids_that_do_not_stand_for_one_prefix(self, lab):
         mixed = trace(lab, [0, 1], [1], [0])  # id 1 after 0, then first: two prefixes
@@ -1084,33 +1195,6 @@ class TestPart11Trace:
         once = trace(lab, [3], [3], [3], [2], [1], [2])  # 2 seen once: S3-FIFO's small drops it
         assert (hits(lab, once, 3, "lru"), hits(lab, once, 3, "s3fifo")) == (3, 2)
 
-    def test_s3fifo_remembers_a_block_small_evicted_and_brings_its_tokens_back_to_main(self, lab):
-        policy = lab.S3FIFO()
-        def cache_and_free(block, tokens):
-            policy.cached(block, tokens)
-            policy.freed(block, 0)
-        cache_and_free(0, [0])
-        cache_and_free(1, [1])
-        assert policy.victim(0) == 0 and (0,) in policy.ghost  # seen once: out, remembered
-        cache_and_free(5, [0])  # the same tokens in another block: straight to main
-        assert 5 in policy.main and (0,) not in policy.ghost
-        cache_and_free(2, [2])
-        assert [policy.victim(0) for _ in range(3)] == [1, 2, 5]  # small first, main last
-
-    def test_s3fifo_moves_a_block_hit_twice_while_new_to_main_with_its_count_reset(self, lab):
-        policy = lab.S3FIFO()
-        policy.cached(0, [0])
-        policy.freed(0, 0)
-        for _ in range(2):  # block 0 is in use again, twice, while new
-            policy.hit(0)
-            policy.freed(0, 0)
-        policy.cached(1, [1])
-        policy.freed(1, 0)
-        assert policy.victim(0) == 1 and 0 in policy.main  # 0 moved to main, 1 went
-        policy.cached(5, [1])  # remembered: straight to main, behind 0
-        policy.freed(5, 0)
-        assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
-
     def test_a_window_of_one_saves_a_hit_lru_misses_and_the_optimum_beats_short_windows(self, lab):
         near = trace(lab, [1], [2], [3], [5], [2])  # 2 is needed by the very next prompt
         assert [hits(lab, near, 3, p) for p in ("lru", lab.Lookahead(0), lab.Lookahead(1))] == [
@@ -1119,17 +1203,16 @@ class TestPart11Trace:
         assert [hits(lab, far, 3, lab.Lookahead(w)) for w in range(4)] == [1] * 4
         assert hits(lab, far, 3, "optimal") == hits(lab, far, 3, lab.Lookahead(6)) == 2
 
-    def test_the_ceiling_counts_an_id_only_once_it_was_a_full_block(self, lab):
+    def test_a_partial_last_block_filled_by_decode_never_hits_the_full_id(self, lab):
         requests = [lab.TraceRequest(0, 512 + 100, 4, [1, 2]),  # id 2: a partial last block
                     lab.TraceRequest(1, 1024, 4, [1, 2])]       # id 2 full: not seen full yet
-        assert lab.trace_ceiling(requests) == (1, 3)
-        assert hits(lab, requests, 100, "lru") == 1  # decode tokens filled the partial block
+        pool = lab.replay_trace(requests, 100, "lru", 2)
+        assert (pool.hits, pool.misses) == (1, 2)  # decode tokens filled the partial block
 
     def test_with_room_for_everything_every_policy_reaches_the_ceiling(self, lab):
         requests = trace(lab, [1, 2], [1, 3], [1, 2, 4], [5], [1, 2, 4, 6])
-        assert lab.trace_ceiling(requests) == (6, 12)  # 1; 1, 2; 1, 2, 4 were seen before
-        for policy in ("lru", "fifo", "s3fifo", "optimal", lab.Lookahead(2)):
-            assert hits(lab, requests, 100, policy) == 6
+        for policy in ("lru", "fifo", "s3fifo", "optimal", lab.Lookahead(2)):  # 1; 1, 2; 1, 2,
+            assert hits(lab, requests, 100, policy) == 6  # 4 were seen before: 6 of 12 blocks
 
     def test_every_policy_keeps_the_invariants_and_none_beats_the_optimum(self, lab):
         rng = random.Random(5)
@@ -1138,37 +1221,36 @@ class TestPart11Trace:
             requests = trace(lab, *(range(s, s + rng.randrange(1, 5)) for s in starts))
             for size in (6, 9, 14):
                 best = hits(lab, requests, size, "optimal")
-                for policy in ("lru", "fifo", "s3fifo", lab.Lookahead(1), lab.Lookahead(4),
-                               "optimal"):
-                    for index in ("hash", "radix"):
+                for policy, index in [(p, "hash") for p in ("lru", "fifo", "s3fifo", "optimal",
+                                                           lab.Lookahead(1), lab.Lookahead(4))
+                                      ] + [("lru", "radix"), ("fifo", "radix")]:
                         pool = lab.replay_trace(requests, size, policy, 2, index)
                         lab.audit(pool)
                         assert pool.num_free == size and pool.hits <= best
 
-    def test_the_gap_table_narrows_the_look_ahead_that_recovers_half_the_lead(self, lab, capsys):
-        def rate(policy, size):  # LRU 25%, the optimum 75%; a window w recovers w / 400 of it
+    def test_the_gap_table_prints_the_share_of_the_optimums_lead_each_policy_recovers(
+            self, lab, capsys):
+        def rate(policy, size):  # LRU 25%, the optimum 75%; a window w recovers w / 4000 of it
             if type(policy) is int:
-                return 0.25 + 0.5 * min(1, policy / 400)
+                return 0.25 + 0.5 * min(1, policy / 4000)
             return {"lru": 0.25, "fifo": 0.4, "s3fifo": 0.3, "optimal": 0.75}[policy]
-        lab.trace_gap([10], rate, 10)
-        out = capsys.readouterr().out  # 300 recovers 75%, 100 25%; halved thrice: 176-200
-        assert "a look-ahead of 176-200 prompts" in out and "recovers 30%: more than" in out
+        lab.trace_gap([10], rate)
+        out = capsys.readouterr().out
+        assert "   fifo               40.0% ( 30%)" in out and "optimal            75.0% (100%)" in out
+        assert f"a look-ahead of {lab.WINDOWS[-1]} prompts recovers 25%" in out
+        assert "at best 30%" in out
 
     def test_the_gap_table_says_when_lru_already_has_the_optimums_hits(self, lab, capsys):
-        lab.trace_gap([10, 20], lambda policy, size: 0.5, 10)
+        lab.trace_gap([10, 20], lambda policy, size: 0.5)
         out = capsys.readouterr().out
-        assert "LRU already matches the optimum" in out and "half the lead" not in out
         assert out.count("50.0% (   -)") == 2 * (len(lab.WINDOWS) + 4)  # no lead to share
+        assert "recovers" not in out
 
     @pytest.mark.parametrize("line, where", [
         ("not json", ":2:"), ('{"timestamp": 0}', ":2:"),
-        ('{"timestamp": NaN, "input_length": 512, "output_length": 1, "hash_ids": [1]}', ":2:"),
         ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', ":2:"),
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', ":2:"),
-        ('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["a"]}', ":2:"),
-        pytest.param("[" * 100_000, ":2:", id="nested too deep for json"),
-        ('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [2, 1]}',
-         ":2:")])  # id 1 came first before: an id stands for its whole prefix
+        ('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["a"]}', ":2:")])
     def test_a_malformed_trace_line_is_named_with_exit_2(self, lab, tmp_path, capsys, line, where):
         path = tmp_path / "t.jsonl"
         good = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}'
