@@ -2424,6 +2424,23 @@ EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "swee
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
+def knob_ranges(b):
+    """The knobs a learner may edit whose bad values fail far from their cause (a hang, a
+    ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
+    outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
+    widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
+    return {"ACTUAL_LEN": (1, MAX_LEN), "POOL_TOKENS": (MAX_LEN + b, math.inf),
+            "CHAT_TURNS": (1, math.inf), "CHAT_CONVERSATIONS": (1, math.inf),
+            "CACHE_POOLS": (b, math.inf), "EVICT_REQUESTS": (1, math.inf),
+            "EVICT_SEEDS": (1, math.inf), "EVICT_SIZES": (1, SWAP_TOKENS),
+            "SWAP_TOKENS": (1, math.inf), "COPY_LATENCY_S": (0, 1),
+            "PREFILL_EFFICIENCIES": (0.01, 1), "MAX_SEQ_LEN": (2, math.inf),
+            "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
+            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SEEDS": (1, math.inf),
+            "SWEEP_SIZES": (1, MAX_BLOCK_SIZE), "SWEEP_SYSTEM_LEN": (1, math.inf),
+            "BENCH_POOLS": (max(100, b), math.inf), "BENCH_REPEATS": (1, math.inf)}
+
+
 def starter(part, path):
     """Write to path this file with Part part's bodies removed: each function and method
     keeps its signature, docstring and the comments before its body, which becomes
@@ -2488,6 +2505,11 @@ def main(argv=None):
     trace_options = args.requests is not None or args.index != "hash"
     if (names[0] == "trace" and args.seed is not None) or (names[0] != "trace" and trace_options):
         parser.error("--requests and --index are trace's options, and trace takes no --seed")
+    for name, (low, high) in knob_ranges(args.block_size).items():
+        knob = globals()[name]
+        values = knob if isinstance(knob, tuple) else (knob,)
+        if len(values) == 0 or not all(low <= value <= high for value in values):
+            parser.error(f"knob {name} must be in {low}..{high}, got {knob!r}")
     if names[0] == "trace":
         if len(names) != 2:
             parser.error("trace PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
@@ -2504,7 +2526,10 @@ def main(argv=None):
         parser.error(f"unknown section {unknown[0]!r}; choose from {choices}")
     for i, name in enumerate(names):
         print("" if i == 0 else "\n", end="")
-        every[name](args.block_size, args.seed)
+        try:
+            every[name](args.block_size, args.seed)
+        except (ValueError, OutOfBlocksError) as error:  # a knob a contract class refused
+            parser.error(f"section {name}: {type(error).__name__}: {error}")
     if args.sections == []:
         print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
               "trace PATH")

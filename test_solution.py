@@ -1009,6 +1009,17 @@ class TestPart7Preemption:
         assert recompute == pytest.approx(0.1) and swap == 2 * lab.swap_seconds(3, 16, 80, 5e-6)
 
 
+def run_group(lab, group, pool):
+    """Drive a parallel_sampling or beam_search generator to its end: (entries, blocks in use)
+    summed over its steps, and its sequences at each step."""
+    entries, used, steps = 0, 0, []
+    for sequences in group:
+        entries += sum(len(seq.block_table) for seq in sequences)
+        used += pool.num_used
+        steps.append(list(sequences))
+    return entries, used, steps
+
+
 class TestPart8Beams:
 
     def test_a_prompt_ending_mid_block_costs_one_copy_per_writer_but_the_last(self, lab):
@@ -1325,20 +1336,28 @@ class TestCommandLine:
             lab.main(argv)
         assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
 
-    @pytest.mark.parametrize("knob, value", [("MAX_LEN", 100), ("POOL_TOKENS", 100),
+    @pytest.mark.parametrize("knob, value", [("ACTUAL_LEN", 0), ("POOL_TOKENS", 100),
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
-                                             ("KNEE", 0), ("SHARING_REQUESTS", {("a", "b"): 0}),
-                                             ("SWEEP_BUDGETS", {"a": 8}), ("BENCH_POOLS", (10,)),
-                                             ("MAX_SEQ_LEN", 1), ("GPU_KV_TOKENS", 2000),
-                                             ("HOST_KV_TOKENS", 0),
-                                             ("SHARING_REQUESTS", {("a", "b"): 1001})])
-    def test_a_knob_that_cannot_work_is_named_before_anything_runs(self, lab, capsys,
-                                                                   monkeypatch, knob, value):
+                                             ("NUM_SAMPLES", ()), ("BEAM_WIDTHS", (2, 8)),
+                                             ("SWEEP_SEEDS", 0), ("MAX_SEQ_LEN", 1),
+                                             ("PREFILL_EFFICIENCIES", (0.0,))])
+    def test_a_knob_that_would_fail_far_from_its_cause_is_named_before_anything_runs(
+            self, lab, capsys, monkeypatch, knob, value):
         monkeypatch.setattr(lab.module, knob, value)
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit_:
             lab.main(["all"])
         captured = capsys.readouterr()
-        assert captured.out == "" and knob in captured.err
+        assert exit_.value.code == 2 and captured.out == "" and knob in captured.err
+
+    @pytest.mark.parametrize("knob, value, section", [("GPU_KV_TOKENS", 2000, "evict"),
+                                                      ("SYSTEM_LEN", 10 ** 6, "sharing")])
+    def test_a_knob_a_contract_class_refuses_ends_the_run_with_one_line(
+            self, lab, capsys, monkeypatch, knob, value, section):
+        monkeypatch.setattr(lab.module, knob, value)
+        with pytest.raises(SystemExit) as exit_:
+            lab.main([section])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and section in err
 
     @pytest.mark.parametrize("block_size, seed", [(1, 3), (7, 0), (256, 9)])
     def test_the_core_runs_at_odd_block_sizes_and_seeds_within_100_columns(self, lab, capsys,
