@@ -71,6 +71,7 @@ import math
 import pickle
 import platform
 import random
+import re
 import sys
 import textwrap
 import time
@@ -114,11 +115,11 @@ def check_tokens(tokens):
 
 
 class KVCache:
-    """The memory the blocks stand for: one flat list of slots; offset o of block b is slot
+    """The memory the blocks stand for: slots, one flat list; offset o of block b is slot
     b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). A slot holds a token id
     as its "KV", so reads can be checked; None where nothing was written. Like GPU memory,
-    it is never cleared. NOTE: vLLM allocates its KV tensor at start-up; this list grows by
-    a block as the pool first hands each block out, so an idle pool costs nothing."""
+    it is never cleared. Part 2's append writes a slot of slots directly. NOTE: vLLM makes its
+    KV tensor at start-up; grow adds a block's slots as the pool first hands it out."""
 
     def __init__(self, block_size):
         self.block_size = block_size
@@ -149,8 +150,16 @@ class BlockAllocator:
     """A fixed pool of physical blocks: a free list and a ref-count per block in use.
     Invariant: a block is in use exactly when it has a ref-count (>= 1), free otherwise,
     so num_free + num_used == num_blocks. Every operation is O(1) per block.
-    NOTE: vLLM queues every block at start-up; counting the never-used ones instead
-    (next_unused) makes building a pool O(1) whatever its size."""
+    State later parts read, by these names: ref_cnt, block -> references (blocks in use
+    only); free_block_ids, blocks given back, reused last in, first out; next_unused, the
+    blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies, copies made.
+    Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is not an
+    int (a bool is not); ValueError for one below 1 (n: below 0); ValueError for a block that
+    is not 0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in
+    use; OutOfBlocksError when too few blocks are free.
+    NOTE: the state is public, as vLLM's BlockPool's free_block_queue and blocks are, for the
+    audit (Part 4) and the prefix cache (Part 6); vLLM queues every block at start-up,
+    next_unused makes a new pool O(1) whatever its size."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -163,6 +172,7 @@ class BlockAllocator:
 
     @property
     def num_used(self):
+        """Blocks in use. Pitfall 4 of Part 4 edits the line `return len(self.ref_cnt)`."""
         return len(self.ref_cnt)
 
     @property
@@ -201,7 +211,8 @@ class BlockAllocator:
         self.free_blocks([check_block(self, block)])
 
     def free_blocks(self, blocks):
-        """free each of blocks, trusted to be in use (a sequence giving back its own table)."""
+        """free each of blocks, trusted to be in use (a sequence giving back its own table).
+        Pitfall 1 of Part 4 edits the line `if self.ref_cnt[block] == 0:`."""
         for block in blocks:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
@@ -209,9 +220,11 @@ class BlockAllocator:
                 self.free_block_ids.append(block)
 
     def refcount(self, block):
+        """block's references: 0 if it is free."""
         return self.ref_cnt.get(check_block(self, block, in_use=False), 0)
 
     def read(self, block):
+        """A copy of block's block_size slots, in use or not."""
         return self.kv_cache.read(check_block(self, block, in_use=False))
 
     def copy_block(self, block):
@@ -225,8 +238,8 @@ class BlockAllocator:
     # The seam a prefix cache (Part 6) attaches through; a plain pool remembers nothing.
     # share_cached_prefix: before a prompt is allocated, share its cached blocks (vLLM's
     # get_computed_blocks); cache_blocks: blocks that filled, or a freed sequence's last one
-    # (vLLM's cache_full_blocks); share_tail: a block shared only partly (Part 3) must leave
-    # the cache; audit_kept: the free blocks the cache keeps aside, for the audit (Part 4).
+    # (vLLM's cache_full_blocks); share_tail: the block a sharer of only its first tokens
+    # gets (Part 3); audit_kept: the free blocks a cache keeps aside, for the audit (Part 4).
     def share_cached_prefix(self, token_ids):
         """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
         check_tokens(token_ids)
@@ -237,9 +250,11 @@ class BlockAllocator:
         last * block_size] (the last of them partly, if its sequence is being freed)."""
 
     def share_tail(self, block):
+        """block, with one more reference (a prefix cache may give a copy instead)."""
         return self.share(block)
 
     def audit_kept(self):
+        """The free blocks a cache keeps aside: none."""
         return []
 
 
@@ -266,7 +281,8 @@ class BlockTable(list):
         self.block_size = block_size
 
     def slot(self, i):
-        """(physical block, offset) of token i."""
+        """(physical block, offset) of token i; IndexError unless i is an int in 0..len(self) *
+        block_size - 1."""
         if type(i) is not int or not 0 <= i < len(self) * self.block_size:
             raise IndexError(f"token {i!r} is not in the {len(self) * self.block_size}-slot table")
         return self[i // self.block_size], i % self.block_size
@@ -282,7 +298,11 @@ class Sequence:
     """A request's tokens and the block table that says where each one is stored.
     Invariant: len(block_table) == cdiv(len(tokens), block_size), and token i is at
     block_table.slot(i). Only the last block is ever written, and only in place if no
-    other reference to it exists."""
+    other reference to it exists. State later parts read: seq_id, allocator, tokens (a list),
+    block_table (a BlockTable), is_freed. Refusals, changing nothing: TypeError for an
+    allocator that is not a BlockAllocator, tokens not iterable, a token that is not an int
+    (a bool is not); ValueError for a token below 0, and for any use of a freed sequence
+    (append, extend, read, fork, free), whose block table is empty."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -329,7 +349,8 @@ class Sequence:
 
     def _prefill(self, token_ids):
         """Make room (new blocks, a copy of a shared last block), write each block's run of
-        tokens with one slice, then report the blocks that filled."""
+        tokens with one slice, then report the blocks that filled. Pitfall 3 of Part 4 edits
+        the line `num_new = cdiv(end, size) - len(table)`."""
         pool, table, n = self.allocator, self.block_table, len(self)
         size, end = pool.block_size, n + len(token_ids)
         copy = n % size > 0 and end > n and pool.ref_cnt[table[-1]] > 1
@@ -366,7 +387,9 @@ class Sequence:
         self.is_freed = True
 
     def _copy_last_block(self):
-        """Swap our reference to the shared last block for one to a private copy."""
+        """Swap our reference to the shared last block for one to a private copy; returns it.
+        Pitfall 2 of Part 4 edits the line
+        `self.block_table[-1] = self.allocator.copy_block(shared)`."""
         shared = self.block_table[-1]
         self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: nothing changed
         self.allocator.free_blocks([shared])
@@ -388,12 +411,16 @@ class Sequence:
 # full blocks through the prefix cache of Part 6).
 
 def share_prefix(src, seq_id, num_tokens=None):
-    """A new sequence whose first num_tokens tokens (default: all) are src's, in src's blocks,
-    a partly covered last one included. Example: src has 20 tokens in [a, b] (block_size 16);
-    share_prefix(src, "x", 18) gives x the table [a, b], ref-counts 2; who writes b copies it."""
+    """A new sequence of src's class (type(src)) whose first num_tokens tokens (default: all)
+    are src's, in src's blocks, a partly covered last one got by pool.share_tail. Example: src
+    has 20 tokens in [a, b] (block_size 16); share_prefix(src, "x", 18) gives x the table
+    [a, b], ref-counts 2; who writes b copies it. Refusals, changing nothing: TypeError for a
+    src that is not a Sequence or a num_tokens not an int; ValueError for num_tokens outside
+    0..len(src), or a freed src."""
     if not isinstance(src, Sequence):
         raise TypeError(f"src must be a Sequence, got {src!r}")
-    src._check_live()
+    if src.is_freed:
+        raise ValueError(f"sequence {src.seq_id!r} was freed; it holds no blocks")
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
@@ -421,11 +448,15 @@ def plural(n, noun, nouns=None):
 
 
 def audit(pool):
-    """The pool's own bookkeeping: each free block listed once, and never while in use."""
+    """The pool's own bookkeeping: num_used counts the blocks with a ref-count and num_free
+    the rest; each free block is listed once (given back, never used, or kept by a cache),
+    and never while in use."""
+    expect(pool.num_used == len(pool.ref_cnt) and pool.num_free + pool.num_used ==
+           pool.num_blocks, f"counts: num_used {pool.num_used}, num_free {pool.num_free}; "
+           f"{len(pool.ref_cnt)} of the {pool.num_blocks} blocks hold a ref-count")
     free = [*pool.free_block_ids, *range(pool.next_unused, pool.num_blocks), *pool.audit_kept()]
     expect(len(set(free)) == len(free) == pool.num_free and pool.ref_cnt.keys().isdisjoint(free),
-           "free list: a block is listed free twice, or while in use, or the free and used "
-           "counts do not add up")
+           "free list: a block is listed free twice, or while in use, or missing")
 
 
 def check_invariants(allocator, sequences):
@@ -2057,6 +2088,14 @@ def bench_fork_free(num_blocks, seq_blocks, block_size, forks=20):
     return (lambda: [seq.fork(i).free() for i in range(forks)]), forks * seq_blocks
 
 
+def bench_free(prompts, block_size, pool_class):
+    """Free each of prompts' sequences, admitted beforehand, tail first: per block freed."""
+    pool = pool_class(sum(cdiv(len(prompt), block_size) for prompt in prompts), block_size)
+    sequences = [Sequence(i, pool, prompt) for i, prompt in enumerate(prompts)]
+    return (lambda: [seq.free() for seq in sequences]), sum(
+        len(seq.block_table) for seq in sequences)
+
+
 def bench_admission(num_blocks, prompts, block_size, floor=False):
     """Admit prompts (each kept) on a warm prefix-caching pool; or the floor: only SHA-256 of
     each full block's pickled (parent hash, token tuple), as vLLM hashes, and a look-up."""
@@ -2108,16 +2147,20 @@ def demo_bench(block_size, seed):
     ours, caching, bare = ns_per_op([(bench_append, pools[0], tokens, size),
                                      (bench_append, pools[0], tokens, size, PrefixCachingAllocator),
                                      (bench_bare_append, pools[0], tokens, size)], repeats)
-    admission, floor = ns_per_op([(bench_admission, pools[0], prompts, size),  # short runs:
-                                  (bench_admission, pools[0], prompts, size, True)],
-                                 4 * repeats)  # more repeats
+    admission, floor, plain_free, cached_free = ns_per_op(  # short runs: more repeats
+        [(bench_admission, pools[0], prompts, size), (bench_admission, pools[0], prompts, size,
+                                                      True),
+         (bench_free, prompts, size, BlockAllocator),
+         (bench_free, prompts, size, PrefixCachingAllocator)], 4 * repeats)
     print(f"2. against the least work, {platform.python_implementation()} "
-          f"{platform.python_version()} (targets: the last two <= 2x)")
+          f"{platform.python_version()} (targets: the last three <= 2x, 2x, 1.5x)")
     print(f"   append {ours:.0f} ns/token; a bare loop (write the slot, pop a block at each "
           f"boundary) {bare:.0f}: {ours / bare:.1f}x")
     print(f"   append on a prefix-caching pool {caching:.0f} ns/token: {caching / ours:.1f}x plain")
     print(f"   cache admission {admission:.0f} ns per prompt block ({len(prompts)} chat prompts); "
           f"SHA-256 + a look-up {floor:.0f}: {admission / floor:.1f}x")
+    print(f"   free {cached_free:.0f} ns per block of those prompts on a prefix-caching pool, "
+          f"{plain_free:.0f} on a plain one: {cached_free / plain_free:.1f}x")
     tracemalloc.start()
     pool = BlockAllocator(pools[-1], size)
     idle = tracemalloc.get_traced_memory()[0]
@@ -2441,16 +2484,29 @@ def knob_ranges(b):
             "BENCH_POOLS": (max(100, b), math.inf), "BENCH_REPEATS": (1, math.inf)}
 
 
-def starter(part, path):
-    """Write to path this file with Part part's bodies removed: each function and method
-    keeps its signature, docstring and the comments before its body, which becomes
-    `raise NotImplementedError`. Run it on your own file to go to the next part."""
+CORE_STEPS = ("1", "2", "3", "4", "5")
+
+
+def steps():
+    """The lab's steps, in order, from its banners: the parts, Part 6 as 6a, 6b and 6c."""
+    with open(__file__, encoding="utf-8") as source:
+        found = [m.group(1) or m.group(2) for line in source
+                 if (m := re.match(r"# (?:Part (\d+)\. |(\d+[a-c])\. )", line))]
+    return [step for step in found if step != "6"]  # Part 6 is its three steps
+
+
+def starter(step, path):
+    """Write to path this file with step's bodies removed: a core step N (1-5) removes those
+    of Parts N..5, another step only its own. Each function and method keeps its signature,
+    docstring and the comments before its body, which becomes `raise NotImplementedError`.
+    Run it on your own file to go to the next step."""
     with open(__file__, encoding="utf-8") as source:
         lines = source.read().splitlines(keepends=True)
-    banners = [i for i, line in enumerate(lines, 1) if line.startswith(("# Part ",
-                                                                        "# The command line"))]
-    first = next(i for i in banners if lines[i - 1].startswith(f"# Part {part}."))
-    last = banners[banners.index(first) + 1]
+    banners = [i for i, line in enumerate(lines, 1)
+               if re.match(r"# (Part \d+\. |\d+[a-c]\. |The )", line)]
+    first = next(i for i in banners if re.match(rf"# (Part )?{step}\. ", lines[i - 1]))
+    last = next(i for i in banners if lines[i - 1].startswith("# Part 6.")) if step in CORE_STEPS \
+        else banners[banners.index(first) + 1]
     cuts = []
     for node in ast.walk(ast.parse("".join(lines))):
         if isinstance(node, ast.FunctionDef) and first < node.lineno < last:
@@ -2471,8 +2527,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace PATH, starter PART FILE
-    choices = f"{', '.join(every)}, all, trace PATH, starter PART FILE"
+    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace PATH, starter STEP FILE
+    choices = f"{', '.join(every)}, all, trace PATH, starter STEP FILE"
     parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab: the core "
                            "sections, all of them, or the ones named.")
     parser.add_argument("sections", nargs="*", metavar="SECTION",
@@ -2489,12 +2545,12 @@ def main(argv=None):
     names = args.sections or list(CORE)
     if names[0] == "starter":  # before any check: a starter's own parts may be empty
         options = (args.block_size, args.seed, args.requests, args.index)
-        if len(names) != 3 or names[1] not in [str(part) for part in range(1, 12)] \
-                or options != (BLOCK_SIZE, None, None, "hash"):
-            parser.error("starter PART FILE: PART is 1..11, FILE where to write the lab; no "
-                         "options")
+        if len(names) != 3 or names[1] not in steps() or options != (BLOCK_SIZE, None, None,
+                                                                      "hash"):
+            parser.error(f"starter STEP FILE: STEP is one of {', '.join(steps())}, FILE where "
+                         "to write the lab; no options")
         try:
-            return starter(int(names[1]), names[2])
+            return starter(names[1], names[2])
         except OSError as error:  # FILE in a missing folder, or a folder
             parser.error(str(error))
     if not 1 <= args.block_size <= MAX_BLOCK_SIZE:

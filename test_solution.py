@@ -785,6 +785,15 @@ class TestPart6bRadixTree:
         heap.discard(3)
         assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
 
+    def test_a_radix_tree_under_fifo_evicts_the_leaf_made_first(self, lab):
+        for policy, kept in (("lru", [0]), ("fifo", [100])):
+            pool = caching(lab, 4, 2, policy, "radix")
+            lab.Sequence("a", pool, [0, 1]).free()
+            lab.Sequence("b", pool, [100, 101]).free()
+            lab.Sequence("a again", pool, [0, 1]).free()  # a used last, b made last
+            lab.Sequence("c", pool, range(200, 206))  # 2 unused blocks, then one leaf
+            assert [key[0] for key in pool.index.root.children if key[0] < 200] == kept
+
 
 class TestPart6cPolicies:
 
@@ -834,14 +843,8 @@ class TestPart6cPolicies:
         policy.freed(5, 0)
         assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
 
-    def test_a_radix_tree_under_fifo_evicts_the_leaf_made_first(self, lab):
-        for policy, kept in (("lru", [0]), ("fifo", [100])):
-            pool = caching(lab, 4, 2, policy, "radix")
-            lab.Sequence("a", pool, [0, 1]).free()
-            lab.Sequence("b", pool, [100, 101]).free()
-            lab.Sequence("a again", pool, [0, 1]).free()  # a used last, b made last
-            lab.Sequence("c", pool, range(200, 206))  # 2 unused blocks, then one leaf
-            assert [key[0] for key in pool.index.root.children if key[0] < 200] == kept
+
+class TestPart6CacheSection:  # the cache section is written for you: it runs once 6c is done
 
     def test_vllms_worked_example_step_by_step(self, lab, capsys):
         maps = lab.cache_vllm_example()
@@ -1395,35 +1398,58 @@ class TestCommandLine:
         assert text.count("raise NotImplementedError") >= 8 and "def allocate(self):" in text
 
 
-STEPS = ["TestPart1Pool", "TestPart2Sequences", "TestPart3Sharing", "TestPart4Checks",
-         "TestPart5Demos"]
+STEPS = {"1": "TestPart1Pool", "2": "TestPart2Sequences", "3": "TestPart3Sharing",
+         "4": "TestPart4Checks", "5": "TestPart5Demos", "6a": "TestPart6aHashChain",
+         "6b": "TestPart6bRadixTree", "6c": "TestPart6cPolicies"}
+BEFORE = {"2": ["1"], "3": ["2"], "4": ["3"], "5": ["4"], "6b": ["6a"], "6c": ["6a", "6b"]}
+
+
+def renamed_undocumented(source):
+    """source with every attribute a core part (1-5) sets on self that none of that part's
+    docstrings names renamed, inside that part only: what a learner may call otherwise."""
+    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    starts = [source[:m.start()].count("\n") for m in re.finditer(r"^# Part \d+\.", source,
+                                                                   re.MULTILINE)]
+    for low, high in zip(starts[:5], starts[1:6]):
+        inside = [node for node in ast.walk(tree) if low < getattr(node, "lineno", 0) <= high]
+        docstrings = " ".join(ast.get_docstring(node) or "" for node in inside
+                              if isinstance(node, (ast.FunctionDef, ast.ClassDef)))
+        hidden = {node.attr for node in inside if isinstance(node, ast.Attribute)
+                  and isinstance(node.ctx, ast.Store) and getattr(node.value, "id", "") == "self"
+                  and not re.search(rf"\b{node.attr}\b", docstrings)}
+        for i in range(low, high):
+            for name in hidden:
+                lines[i] = re.sub(rf"\b{name}\b", f"{name}_renamed", lines[i])
+    return "".join(lines)
 
 
 @pytest.fixture(scope="module")
 def step_outcomes(lab, tmp_path_factory):
-    """step -> each test's outcome, by class, of steps step - 1 and step on a file whose parts
-    step..5 are starters, as a learner's is before that step; the five run side by side."""
+    """step -> each test's outcome, by class, of that step and the ones before it on the file
+    its starter writes; "renamed": every core step on renamed_undocumented(the lab). The runs
+    go side by side."""
     folder, runs = tmp_path_factory.mktemp("steps"), {}
-    for step in range(1, 6):
+    for step in [*STEPS, "renamed"]:
         path = folder / f"step{step}.py"
-        lab.starter(step, str(path))
-        for part in range(step + 1, 6):  # as `python step.py starter part step.py` would
-            lab.module.__file__ = str(path)
-            lab.starter(part, str(path))
-        lab.module.__file__ = str(LAB_FILE)
+        if step == "renamed":
+            path.write_text(renamed_undocumented(LAB_FILE.read_text()))
+        else:
+            lab.starter(step, str(path))
+        classes = [STEPS[s] for s in STEPS if s in "12345"] if step == "renamed" else [
+            STEPS[s] for s in [*BEFORE.get(step, []), step]]
         runs[step] = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "--tb=no", "-p", "no:cacheprovider",
-             *(f"{__file__}::{STEPS[n - 1]}" for n in (step - 1, step) if n > 0),
-             f"--junitxml={folder / f'step{step}.xml'}"], env={**os.environ, "LAB_FILE": str(path)},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             *(f"{__file__}::{name}" for name in classes), f"--junitxml={folder / step}.xml"],
+            env={**os.environ, "LAB_FILE": str(path)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
     outcomes = {}
     for step, run in runs.items():
         run.wait()
         outcomes[step] = {}
-        for case in ElementTree.parse(folder / f"step{step}.xml").iter("testcase"):
+        for case in ElementTree.parse(f"{folder / step}.xml").iter("testcase"):
             passed = case.find("failure") is None and case.find("error") is None
             outcomes[step].setdefault(case.get("classname").rsplit(".", 1)[-1], []).append(passed)
-    return outcomes
+    return outcomes, folder
 
 
 class TestTheLabsShape:
@@ -1443,12 +1469,48 @@ class TestTheLabsShape:
         assert used & later == set()
 
     @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's starters")
-    @pytest.mark.parametrize("step", range(1, 6))
-    def test_a_step_fails_until_it_is_done_and_needs_no_later_part(self, step_outcomes, step):
-        outcomes = step_outcomes[step]
-        if step > 1:
-            assert all(outcomes[STEPS[step - 2]]), f"{STEPS[step - 2]} needs a part after it"
-        assert not any(outcomes[STEPS[step - 1]]), f"a test of {STEPS[step - 1]} passes on it"
+    @pytest.mark.parametrize("step", list(STEPS))
+    def test_a_step_fails_until_it_is_done_and_needs_no_later_step(self, step_outcomes, step):
+        outcomes = step_outcomes[0][step]
+        for before in BEFORE.get(step, []):
+            assert all(outcomes[STEPS[before]]), f"{STEPS[before]} needs a later step"
+        assert not any(outcomes[STEPS[step]]), f"a test of {STEPS[step]} passes on its starter"
+
+    @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's starters")
+    def test_names_no_docstring_gives_can_be_anything_the_steps_and_the_core_still_pass(
+            self, step_outcomes):
+        outcomes, folder = step_outcomes
+        assert all(all(passed) for passed in outcomes["renamed"].values())
+        assert len(outcomes["renamed"]) == 5
+        run = subprocess.run([sys.executable, str(folder / "steprenamed.py")],
+                             capture_output=True, text=True, check=False)
+        assert run.returncode == 0 and "NOT CAUGHT" not in run.stdout
+        hidden = LAB_FILE.read_text().replace("free_block_ids, blocks given back", "blocks given")
+        assert "free_block_ids_renamed" in renamed_undocumented(hidden)  # it would be found
+
+    @pytest.mark.parametrize("step", ["1", "3", "5"])
+    def test_a_core_starter_leaves_no_body_of_its_part_or_a_later_core_part(self, lab,
+                                                                           tmp_path, step):
+        path = tmp_path / "mine.py"
+        lab.starter(step, str(path))
+        source = path.read_text()
+        starts = {m.group(1): source[:m.start()].count("\n") + 1
+                  for m in re.finditer(r"^# Part (\d+)\.", source, re.MULTILINE)}
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and starts[step] < node.lineno < starts["6"]:
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                assert [ast.unparse(statement) for statement in body] in (
+                    [], ["raise NotImplementedError"]), node.name
+
+    def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(self, tmp_path):
+        path = tmp_path / "mine.py"
+        source = LAB_FILE.read_text()
+        line = "return self.num_blocks - self.num_used"
+        assert line in source
+        path.write_text(source.replace(line, "return self.num_blocks - len(self.ref_cnt)"))
+        run = subprocess.run([sys.executable, str(path), "pitfalls"], capture_output=True,
+                             text=True, check=False)
+        assert run.stdout.count("caught after") == 4 and "NOT CAUGHT" not in run.stdout
 
     @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's README")
     def test_the_break_it_answers_are_what_the_checks_print(self, lab, tmp_path):
@@ -1459,7 +1521,8 @@ class TestTheLabsShape:
         source = LAB_FILE.read_text()
         for i, (line, bug, message) in enumerate(tasks):
             path = tmp_path / f"bug{i}.py"
-            path.write_text(source.replace(line, bug, 1))
+            path.write_text(re.sub(rf"^(\s*){re.escape(line)}", lambda m: m.group(1) + bug,
+                                   source, count=1, flags=re.MULTILINE))  # the code line
             run = subprocess.run([sys.executable, str(path), "checks"], capture_output=True,
                                  text=True, check=False)
             assert run.returncode == 1 and run.stderr.strip().endswith(message)
