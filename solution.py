@@ -965,7 +965,8 @@ class PrefixCachingAllocator(BlockAllocator):
 class LazyHeap:
     """Items by distinct keys: push(item, key), discard(item), pop() the least (peek: its (key,
     item)). An old entry stays in the heap, skipped when popped; the heap is rebuilt when most
-    are old, so it holds at most two per item (heapq has no decrease-key)."""
+    are old, so it holds at most two per item (heapq has no decrease-key). State: key, item ->
+    its key; heap, of (key, item)."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -1033,7 +1034,8 @@ class RadixIndex:
     NOTE: lock_ref counts a node's blocks in use; a sequence holds its whole path, so locked
     as by inc_lock_ref (a lone pool.share of a cached block breaks that: the audit says so).
     match neither splits nor touches (SGLang's does), so a refused prompt changes nothing.
-    Tokens the tree holds in another block stay out (SGLang frees it, takes the tree's)."""
+    Tokens the tree holds in another block stay out (SGLang frees it, takes the tree's).
+    State: root; node_of, block -> its node; leaves, a LazyHeap of the candidates; evictable."""
 
     def __init__(self, block_size, policy="lru", token_level=False):
         if policy not in PRIORITIES:
@@ -2456,6 +2458,217 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 
 
 # ---------------------------------------------------------------------------------------
+# Part 12. Extension: a fleet of prefill instances, and where each request should go
+# ---------------------------------------------------------------------------------------
+# One engine is not enough: a fleet of prefill instances, each with its own prefix cache,
+# sits behind a router, and the question becomes where a request goes. Spread them for
+# load and the caches stop hitting; send each to its longest cached prefix and the hot
+# prefixes pile onto one instance. Each instance here is a PrefixCachingAllocator of the
+# trace replay's mapping (a block per 512-token hash id) with a FIFO prefill queue; requests
+# arrive at the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's Fig. 10
+# (outputs of one token); a prompt's blocks are cached when it is scheduled.
+#
+# Time, Mooncake (Qin et al., FAST'25) Eq. 1 and Table 1, LLaMA3-70B on 8 x A800:
+#   flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4, b = 22; a cached prefix of p
+#   tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x an efficiency, 30% the
+#   lab's choice, 20% and 50% shown too. A prefix fetched from another instance moves
+#   l x 2 (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device,
+#   an 800 Gbps NIC).
+FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
+FLEET_FLOPS = 8 * 312e12
+FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # the first is the one the tables use
+FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
+FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
+FETCH_THRESHOLD = 2  # blocks a remote prefix must beat the local one by to be fetched: ours
+ROUTER = (0.3, 64, 1.5)  # SGLang's and vLLM's routers' cache_aware defaults (router_args.py):
+# cache_threshold, balance_abs_threshold, balance_rel_threshold
+FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
+MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
+MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74),  # Fig. 10: hit
+                   "synthetic": (2.36, 0.52)}  # rate and prefill GPU time, global / local
+
+
+def flops(tokens):
+    return FLEET_LAYERS * (FLEET_A * tokens ** 2 * FLEET_DIM + FLEET_B * tokens * FLEET_DIM ** 2)
+
+
+@dataclass
+class Instance:
+    pool: PrefixCachingAllocator
+    free_at: float = 0.0  # when its prefill queue empties, s
+    work: float = 0.0     # GPU seconds of prefill it did
+    done: list = field(default_factory=list)  # when each request it holds finishes, in order
+    seen: set = field(default_factory=set)    # hash ids routed to it: a router's tree
+
+
+class Fleet:
+    """The instances, the efficiency, a Random for "random", and what a scheduler asks."""
+
+    def __init__(self, instances, cache_blocks, efficiency, seed):
+        self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1))
+                          for _ in range(instances)]
+        self.efficiency, self.rng = efficiency, random.Random(seed)
+
+    def prefill(self, tokens, cached):
+        """Seconds to prefill tokens of which the first cached are in the cache."""
+        return (flops(tokens) - flops(cached)) / (FLEET_FLOPS * self.efficiency)
+
+    def queue(self, i, now):
+        return max(0.0, self.instances[i].free_at - now)
+
+    def cached(self, i, hashes):
+        """The leading blocks of a prompt (its chained block hashes) instance i has cached."""
+        index = self.instances[i].pool.index
+        return next((k for k, h in enumerate(hashes) if h not in index.cached), len(hashes))
+
+    def load(self, i, now):  # requests queued or in prefill: what a router counts
+        done = self.instances[i].done
+        while len(done) > 0 and done[0] <= now:
+            done.pop(0)
+        return len(done)
+
+
+def schedule_random(fleet, request, hashes, now):
+    return fleet.rng.randrange(len(fleet.instances)), None
+
+
+def schedule_load(fleet, request, hashes, now):
+    """The least queued work."""
+    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now)), None
+
+
+def schedule_cache_aware(fleet, request, hashes, now):
+    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than
+    64 requests over the idlest and 1.5 times as many; else the replica whose past requests
+    share the longest prefix, if it covers more than 30% of the prompt; else the one that
+    has seen the least."""
+    threshold, absolute, relative = ROUTER
+    loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
+    if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
+        return loads.index(min(loads)), None
+    ids = request.hash_ids
+    matched = [next((k for k, h in enumerate(ids) if h not in instance.seen), len(ids))
+               for instance in fleet.instances]
+    if max(matched) > threshold * len(ids):
+        return matched.index(max(matched)), None
+    sizes = [len(instance.seen) for instance in fleet.instances]
+    return sizes.index(min(sizes)), None
+
+
+def schedule_local(fleet, request, hashes, now):
+    """Mooncake's Algorithm 1 with each instance's own prefix: the least queue + prefill."""
+    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now) + fleet.prefill(
+        request.input_length, TRACE_ID_TOKENS * fleet.cached(i, hashes))), None
+
+
+def schedule_global(fleet, request, hashes, now):
+    """Algorithm 1 with the best prefix anywhere: an instance fetches it when it beats its own
+    by more than FETCH_THRESHOLD blocks; the least transfer + queue + prefill."""
+    cached = [fleet.cached(i, hashes) for i in range(len(fleet.instances))]
+    best, estimates = max(cached), []
+    for i, own in enumerate(cached):
+        reuse = best if best - own > FETCH_THRESHOLD else own
+        transfer = (reuse - own) * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
+        estimates.append((transfer + fleet.queue(i, now) + fleet.prefill(
+            request.input_length, TRACE_ID_TOKENS * reuse), i, reuse))
+    _, i, reuse = min(estimates)
+    return i, reuse
+
+
+FLEET_SCHEDULERS = {"random": schedule_random, "load": schedule_load,
+                    "cache_aware": schedule_cache_aware, "local": schedule_local,
+                    "global": schedule_global}
+
+
+@dataclass
+class FleetRun:
+    mean_ttft: float        # seconds from arrival to the end of the prefill
+    p90_ttft: float
+    hit_rate: float         # full prompt blocks reused (cached or fetched) / full prompt blocks
+    prefill_seconds: float  # GPU seconds of prefill per request
+    busiest_share: float    # the busiest instance's share of the prefill work
+    instances: list
+
+
+def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
+                 efficiency=FLEET_EFFICIENCIES[0], seed=0):
+    """Replay requests (load_trace's) on instances prefill instances of cache_blocks blocks,
+    each sent where FLEET_SCHEDULERS[scheduler] says: it waits for its instance's queue
+    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there."""
+    fleet, ttfts, reused, blocks = Fleet(instances, cache_blocks, efficiency, seed), [], 0, 0
+    for number, request in enumerate(requests):
+        now, prompt = request.timestamp / 1000, trace_prompt(request, 1)  # a token an id
+        hashes = list(itertools.accumulate(prompt, lambda h, t: hash_block_tokens(h, [t]),
+                                           initial=NONE_HASH))[1:]  # each block's, chained
+        i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, hashes, now)
+        own, instance = fleet.cached(i, hashes), fleet.instances[i]
+        reuse = own if reuse is None else reuse
+        transfer = (reuse - own) * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
+        work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
+        instance.free_at = max(now + transfer, instance.free_at) + work
+        instance.work += work
+        instance.done.append(instance.free_at)
+        instance.seen.update(request.hash_ids)
+        ttfts.append(instance.free_at - now)
+        reused, blocks = reused + reuse, blocks + len(prompt)
+        Sequence(number, instance.pool, prompt).free()  # its blocks stay cached there
+        if number % 1000 == 999:
+            progress(f"fleet: {scheduler}, {instances} instances, request {number + 1:,}")
+    progress("")
+    ttfts.sort()
+    total = sum(instance.work for instance in fleet.instances)
+    return FleetRun(sum(ttfts) / len(ttfts), ttfts[math.ceil(0.9 * len(ttfts)) - 1],
+                    reused / max(1, blocks), total / len(requests),
+                    max(instance.work for instance in fleet.instances) / total,
+                    fleet.instances)
+
+
+def demo_fleet(path, limit):
+    """Every scheduler on FLEET_SIZES[0] instances beside Mooncake's Fig. 5, at each
+    efficiency; local caches against a global pool on FLEET_SIZES[1], beside its Fig. 10."""
+    requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
+    many, few = FLEET_SIZES
+    print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
+    print(f"each a PrefixCachingAllocator of {THREE_M:,} blocks (3M tokens), LRU; prefill by "
+          "Mooncake's Eq. 1")
+    print(f"(LLaMA3-70B, 8 x A800) at {FLEET_EFFICIENCIES[0]:.0%} of the peak; a fetch at "
+          f"{FETCH_BYTES_PER_S / 1e9:.0f} GB/s; outputs of 1 token")
+    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, "
+          "conversation trace), quoted")
+    print("   scheduler     mean TTFT   p90 TTFT  hit rate  prefill s/req  busiest  Fig. 5 mean")
+    runs = {}
+    for scheduler in FLEET_SCHEDULERS:
+        run = runs[scheduler] = replay_fleet(requests, many, scheduler)
+        paper = MOONCAKE_TTFT.get(scheduler)
+        print(f"   {scheduler:<12} {run.mean_ttft:>9.2f} s {run.p90_ttft:>8.2f} s "
+              f"{run.hit_rate:>8.1%}  {run.prefill_seconds:>13.2f}  {run.busiest_share:>7.1%}"
+              + ("" if paper is None else f"  {paper:>8.2f} s"))
+    best = min(runs, key=lambda s: runs[s].mean_ttft)
+    print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
+          f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
+    print("   mean TTFT, s, at each prefill efficiency: " + "  ".join(FLEET_SCHEDULERS))
+    for efficiency in FLEET_EFFICIENCIES:
+        means = [(runs[s] if efficiency == FLEET_EFFICIENCIES[0] else replay_fleet(
+            requests, many, s, efficiency=efficiency)).mean_ttft for s in FLEET_SCHEDULERS]
+        print(f"   {efficiency:>41.0%} " + "  ".join(f"{mean:>{len(s)}.1f}" for mean, s in
+                                                    zip(means, FLEET_SCHEDULERS)))
+    local, pooled = (replay_fleet(requests, few, s) for s in ("local", "global"))
+    trace = next((t for t in MOONCAKE_GLOBAL if t.split("&")[0] in name), None)
+    print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "
+          "quoted")
+    print("   quantity           local   global   global / local   Fig. 10, this trace")
+    for row, (label, mine, pool) in enumerate((("hit rate", local.hit_rate, pooled.hit_rate),
+                                               ("prefill s/req", local.prefill_seconds,
+                                                pooled.prefill_seconds))):
+        cells = (f"{mine:.1%}", f"{pool:.1%}") if row == 0 else (f"{mine:.2f}", f"{pool:.2f}")
+        paper = "-" if trace is None else f"{MOONCAKE_GLOBAL[trace][row]:.2f}x"
+        print(f"   {label:<15} {cells[0]:>8} {cells[1]:>8} {pool / mine:>15.2f}x {paper:>19}")
+    print(f"   here one global pool reuses {pooled.hit_rate / local.hit_rate:.2f}x the blocks "
+          f"local caches do, and needs {pooled.prefill_seconds / local.prefill_seconds:.2f}x")
+    print("   their prefill time (our local caches are already routed to, by Algorithm 1)")
+
+
+# ---------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------
 
@@ -2527,8 +2740,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace PATH, starter STEP FILE
-    choices = f"{', '.join(every)}, all, trace PATH, starter STEP FILE"
+    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace, fleet, starter
+    choices = f"{', '.join(every)}, all, trace PATH, fleet PATH, starter STEP FILE"
     parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab: the core "
                            "sections, all of them, or the ones named.")
     parser.add_argument("sections", nargs="*", metavar="SECTION",
@@ -2538,7 +2751,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="seed every workload with N >= 0 (default: the lab's own seeds)")
     parser.add_argument("--requests", type=int, default=None, metavar="N",
-                        help="trace: replay only the first N requests of the file")
+                        help="trace, fleet: replay only the first N requests of the file")
     parser.add_argument("--index", choices=list(INDEXES), default="hash",
                         help="trace: the prefix cache's index (default hash)")
     args = parser.parse_args(argv)
@@ -2559,18 +2772,23 @@ def main(argv=None):
                                                       and args.requests < 1):
         parser.error("--seed must be >= 0 and --requests >= 1")
     trace_options = args.requests is not None or args.index != "hash"
-    if (names[0] == "trace" and args.seed is not None) or (names[0] != "trace" and trace_options):
-        parser.error("--requests and --index are trace's options, and trace takes no --seed")
+    if (names[0] in ("trace", "fleet") and args.seed is not None) or (
+            names[0] not in ("trace", "fleet") and trace_options) or (
+            names[0] == "fleet" and (args.index != "hash" or args.block_size != BLOCK_SIZE)):
+        parser.error("--requests is trace's and fleet's, --index trace's; neither takes --seed, "
+                     "fleet no --block-size (a block is a hash id)")
     for name, (low, high) in knob_ranges(args.block_size).items():
         knob = globals()[name]
         values = knob if isinstance(knob, tuple) else (knob,)
         if len(values) == 0 or not all(low <= value <= high for value in values):
             parser.error(f"knob {name} must be in {low}..{high}, got {knob!r}")
-    if names[0] == "trace":
+    if names[0] in ("trace", "fleet"):
         if len(names) != 2:
-            parser.error("trace PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
-                         "FAST25-release/traces/ of kvcache-ai/Mooncake)")
+            parser.error(f"{names[0]} PATH: a Mooncake-format JSONL file (the FAST'25 traces are "
+                         "in FAST25-release/traces/ of kvcache-ai/Mooncake)")
         try:
+            if names[0] == "fleet":
+                return demo_fleet(names[1], args.requests)
             return demo_trace(names[1], args.requests, args.block_size, args.index)
         except (OSError, ValueError) as error:  # a missing file, a malformed line
             parser.error(str(error))
@@ -2588,7 +2806,7 @@ def main(argv=None):
             parser.error(f"section {name}: {type(error).__name__}: {error}")
     if args.sections == []:
         print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
-              "trace PATH")
+              "trace PATH, fleet PATH")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,19 @@ class TestPart1Pool:
         pool = lab.BlockAllocator(2, 2)
         refused(lambda: pool.allocate_many(n), exception, pool)
 
+    def test_the_state_later_parts_read_has_its_documented_names(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        a, b, c = pool.allocate_many(3)
+        pool.share(b)
+        pool.free(a)
+        pool.free(c)
+        assert pool.ref_cnt == {b: 2} and pool.free_block_ids == [a, c] and pool.next_unused == 3
+        assert pool.allocate() == c and pool.free_block_ids == [a]  # last in, first out
+        pool.kv_cache.write(b, 0, [5, 6])
+        assert pool.kv_cache.slots[b * 2:b * 2 + 2] == [5, 6] and pool.read(b) == [5, 6]
+        pool.copy_block(b)
+        assert pool.num_copies == 1 and pool.free_block_ids == [] and pool.next_unused == 3
+
     def test_a_plain_pool_caches_nothing_but_checks_the_tokens(self, lab):
         pool = lab.BlockAllocator(4, 2)
         assert pool.share_cached_prefix([1, 2, 3]) == ([], 0) and pool.audit_kept() == []
@@ -194,6 +207,15 @@ class TestPart2Sequences:
         for bad in (32, -1, 1.0):
             with pytest.raises(IndexError):
                 table.slot(bad)
+
+    def test_a_sequence_keeps_the_state_later_parts_read(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.Sequence("s", pool, [1, 2, 3])
+        assert (seq.seq_id, seq.allocator, seq.tokens, seq.is_freed) == ("s", pool, [1, 2, 3],
+                                                                         False)
+        assert isinstance(seq.block_table, lab.BlockTable) and seq.block_table.block_size == 2
+        seq.free()
+        assert seq.is_freed and list(seq.block_table) == []
 
     def test_slot_mapping_worked_example(self, lab):
         table = lab.BlockTable(4)
@@ -333,6 +355,12 @@ class TestPart3Sharing:
         with pytest.raises(TypeError):
             lab.share_prefix([1, 2], "x")
 
+    def test_share_prefix_and_fork_make_a_sequence_of_the_sources_class(self, lab):
+        class Tagged(lab.Sequence):
+            pass
+        src = Tagged("src", lab.BlockAllocator(4, 4), range(6))
+        assert type(lab.share_prefix(src, "x", 3)) is Tagged and type(src.fork("y")) is Tagged
+
     def test_counting_physical_blocks_counts_shared_ones_once(self, lab):
         pool = lab.BlockAllocator(16, 4)
         a = lab.Sequence("a", pool, range(10))  # 3 blocks
@@ -465,7 +493,8 @@ class TestPart5Demos:
     def test_the_default_run_prints_the_seed_lines_exactly(self, lab, capsys):
         lab.main([])
         out = capsys.readouterr().out
-        assert all(lines in out for lines in SEED_LINES)
+        assert all(lines in out for lines in SEED_LINES) and "NOT CAUGHT" not in out
+        assert out.count(" ok\n") == 3 and out.count("caught after") == 4
         assert out.index("== correctness") < out.index("== pitfalls") < out.index("== memory")
 
     @pytest.mark.parametrize("block_size, where", [(1, "new block"), (3, "forked block")])
@@ -1320,6 +1349,81 @@ class TestPart11Trace:
             assert lab.replay_trace(requests, size, "lru", index="radix").hits == got["lru"]
 
 
+def timed(lab, *id_lists, at=0.0, length=None):
+    """Requests of whole 512-token ids, each arriving at `at` seconds."""
+    return [lab.TraceRequest(at * 1000, length or 512 * len(ids), 1, list(ids))
+            for ids in id_lists]
+
+
+class TestPart12Fleet:
+
+    def test_a_lone_requests_ttft_is_its_prefill_by_equation_1(self, lab):
+        run = lab.replay_fleet(timed(lab, [1, 2, 3]), 4, "load")
+        n, seconds = 1536, lambda n: 80 * (4 * n * n * 8192 + 22 * n * 8192 ** 2) / (
+            8 * 312e12 * lab.FLEET_EFFICIENCIES[0])
+        assert run.mean_ttft == run.p90_ttft == pytest.approx(seconds(n))
+        assert run.prefill_seconds == pytest.approx(seconds(n)) and run.busiest_share == 1.0
+
+    def test_a_cached_prefix_saves_its_own_flops(self, lab):
+        run = lab.replay_fleet([*timed(lab, [1, 2, 3]), *timed(lab, [1, 2, 4], at=100)], 1,
+                               "local")
+        fleet = lab.Fleet(1, 10, lab.FLEET_EFFICIENCIES[0], 0)
+        assert run.hit_rate == 2 / 6 and run.p90_ttft == pytest.approx(fleet.prefill(1536, 0))
+        assert run.mean_ttft == pytest.approx((fleet.prefill(1536, 0) + fleet.prefill(1536, 1024))
+                                              / 2)
+
+    def test_local_sends_a_shared_prefix_to_its_instance_only_while_its_queue_allows(self, lab):
+        prefix, half = list(range(10)), lab.Fleet(1, 1, lab.FLEET_EFFICIENCIES[0], 0).prefill(
+            5120, 0) / 2  # halfway through the first request's prefill
+        run = lab.replay_fleet([*timed(lab, prefix), *timed(lab, prefix + list(range(50, 80)),
+                                                             at=half)], 2, "local")
+        assert run.hit_rate == 10 / 50 and run.busiest_share == 1.0  # the queue was short
+        long = list(range(40))
+        run = lab.replay_fleet(timed(lab, long, long[:2] + list(range(50, 88))), 2, "local")
+        assert run.hit_rate == 0.0  # a long queue outweighs 2 cached blocks: the idle one
+
+    def test_a_prefix_on_a_busy_instance_is_fetched_by_global_and_recomputed_by_local(self, lab):
+        prefix = list(range(30))
+        requests = [*timed(lab, prefix + [1000]), *timed(lab, prefix + [2000])]
+        local, pooled = (lab.replay_fleet(requests, 2, s) for s in ("local", "global"))
+        assert local.hit_rate == 0.0 and pooled.hit_rate == 30 / 62  # fetched, then computed
+        assert pooled.busiest_share < 1 and pooled.mean_ttft < local.mean_ttft
+
+    def test_cache_aware_falls_back_to_the_least_loaded_replica_past_its_thresholds(self, lab):
+        fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0)
+        request = timed(lab, [1, 2, 3])[0]
+        fleet.instances[0].seen.update([1, 2, 3])  # a full match on replica 0
+        fleet.instances[0].done.extend([10.0] * 65)  # 65 queued there, none on replica 1
+        assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 1
+        fleet.instances[1].done.extend([10.0] * 2)  # 65 - 2 < 64: balanced enough
+        assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 0
+        fleet.instances[0].seen.clear()  # no match: the replica that has seen the least
+        fleet.instances[1].seen.update([7])
+        assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 0
+
+    def test_random_is_reproducible_with_its_seed_and_moves_with_it(self, lab):
+        requests = timed(lab, *([k] for k in range(20)))
+        runs = [lab.replay_fleet(requests, 4, "random", seed=seed).busiest_share
+                for seed in (1, 1, 2)]
+        assert runs[0] == runs[1] != runs[2]
+
+    @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "local", "global"])
+    def test_every_instances_pool_keeps_its_invariants_after_a_replay(self, lab, scheduler):
+        rng = random.Random(3)
+        requests = [lab.TraceRequest(t * 300, 512 * 6, 1, list(range(s, s + 6)))
+                    for t, s in enumerate(rng.randrange(4) * 3 for _ in range(40))]
+        run = lab.replay_fleet(requests, 3, scheduler, cache_blocks=8)
+        for instance in run.instances:
+            lab.check_invariants(instance.pool, [])
+        assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "local", "global"}
+
+    @needs_traces
+    def test_the_first_1000_conversation_requests_replay(self, lab):
+        requests = lab.load_trace(str(CONVERSATION), 1000)
+        run = lab.replay_fleet(requests, 16, "global")
+        assert 0 < run.hit_rate < 1 and 0 < run.mean_ttft <= run.p90_ttft
+
+
 # ---------------------------------------------------------------------------------------
 # The command line, the knobs, the lab's own shape
 # ---------------------------------------------------------------------------------------
@@ -1328,7 +1432,7 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
                                       ["--seed", "-1"], ["nope"], ["trace"],
-                                      ["starter", "12", "f.py"], ["--index", "tree"],
+                                      ["starter", "13", "f.py"], ["starter", "6", "f.py"], ["--index", "tree"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
                                       ["trace", "t.jsonl", "--seed", "1"],
                                       ["starter", "1", "f.py", "--block-size", "8"],
