@@ -237,8 +237,8 @@ class BlockAllocator:
 
     # The seam a prefix cache (Part 6) attaches through; a plain pool remembers nothing.
     # share_cached_prefix: before a prompt is allocated, share its cached blocks (vLLM's
-    # get_computed_blocks); cache_blocks: blocks that filled, or a freed sequence's last one
-    # (vLLM's cache_full_blocks); share_tail: the block a sharer of only its first tokens
+    # get_computed_blocks); cache_blocks: blocks that filled (vLLM's cache_full_blocks);
+    # share_tail: the block a sharer of only its first tokens
     # gets (Part 3); audit_kept: the free blocks a cache keeps aside, for the audit (Part 4).
     def share_cached_prefix(self, token_ids):
         """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
@@ -247,7 +247,7 @@ class BlockAllocator:
 
     def cache_blocks(self, table, tokens, first, last):
         """Blocks first..last-1 of a block table now hold tokens[first * block_size:
-        last * block_size] (the last of them partly, if its sequence is being freed)."""
+        last * block_size], the last of them maybe partly (a cache keeps full ones)."""
 
     def share_tail(self, block):
         """block, with one more reference (a prefix cache may give a copy instead)."""
@@ -380,8 +380,6 @@ class Sequence:
         prefix cache evicts a suffix before the prefix others are likelier to share)."""
         self._check_live()
         pool, table = self.allocator, self.block_table
-        if len(self) % pool.block_size > 0:  # a partly full last block: a cache may keep it
-            pool.cache_blocks(table, self.tokens, len(table) - 1, len(table))
         pool.free_blocks(reversed(table))
         table.clear()
         self.is_freed = True
@@ -708,8 +706,8 @@ def system_prompt_requests(pool, share, seed):
 def demo_sharing(block_size, seed):
     """NUM_REQUESTS requests with and without share_prefix (seed 1), then a fork's copy."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
-    alone = system_prompt_requests(BlockAllocator(num_blocks, block_size), False, seed)
-    shared = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
+    alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
+                     for share in (False, True))
     print(f"== prefix sharing: {NUM_REQUESTS} requests, shared {SYSTEM_LEN}-token system prompt ==")
     print(f"without sharing : {alone.num_used:>5} blocks used")
     print(f"with sharing    : {shared.num_used:>5} blocks used   "
@@ -870,7 +868,6 @@ class CacheStats:
     evicted: int = 0    # cached blocks those evictions freed
     beyond: int = 0     # of them, blocks freed beyond what the eviction needed
     work: int = 0       # the index's work: dict look-ups (hash) or child look-ups (radix)
-    partial: int = 0    # tokens reused from inside a block (a token-level radix tree)
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -906,17 +903,12 @@ class PrefixCachingAllocator(BlockAllocator):
         self.stats.misses += len(token_ids) // size - full
         self.stats.prompts += 1
         self.stats.work += work
-        self.stats.partial += reused % size
         for block, was_free in zip(blocks[:full], revived):
             ref_cnt[block] = ref_cnt.get(block, 0) + 1
             self.index.hit(block, was_free, self.stats.prompts)
-        if reused % size > 0:  # the match ends inside a block: a private copy of it
-            blocks[full] = self.copy_block(blocks[full])
         return blocks, reused
 
     def cache_blocks(self, table, tokens, first, last):
-        if len(tokens) < last * self.block_size and self.ref_cnt[table[last - 1]] > 1:
-            last -= 1  # a partly full block that others hold may still be written
         self.index.insert(table, tokens, first, last, self.stats.prompts)
 
     def share_tail(self, block):
@@ -1000,11 +992,6 @@ class LazyHeap:
         return item
 
 
-def common_prefix(a, b):
-    """How many leading tokens a and b share: common_prefix([1, 2, 3], [1, 2, 5]) == 2."""
-    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 class RadixNode:
     """A run of blocks: tokens (the key, block_size a block), blocks (the value), children by
     their first block's tokens, parent, depth (blocks above it), lock_ref (its blocks in use,
@@ -1029,18 +1016,16 @@ class RadixIndex:
         c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the one leaf that
                                    b's lock (inc_lock_ref) leaves unprotected
         b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
-    token_level keeps a freed sequence's partial last block, and a match that stops inside a
-    block takes the block whose first tokens come next (the pool copies it).
     NOTE: lock_ref counts a node's blocks in use; a sequence holds its whole path, so locked
     as by inc_lock_ref (a lone pool.share of a cached block breaks that: the audit says so).
     match neither splits nor touches (SGLang's does), so a refused prompt changes nothing.
     Tokens the tree holds in another block stay out (SGLang frees it, takes the tree's).
     State: root; node_of, block -> its node; leaves, a LazyHeap of the candidates; evictable."""
 
-    def __init__(self, block_size, policy="lru", token_level=False):
+    def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
             raise ValueError(f"a leaf priority is one of {', '.join(PRIORITIES)}, got {policy!r}")
-        self.block_size, self.token_level, self.policy = block_size, token_level, policy
+        self.block_size, self.policy = block_size, policy
         self.numbers = itertools.count()
         self.root = RadixNode(None, 0, 0, next(self.numbers))
         self.node_of = {}         # block -> the node holding it
@@ -1052,7 +1037,7 @@ class RadixIndex:
 
     def match(self, token_ids):
         """(the tree's blocks of the prompt's leading full blocks, tokens they hold, child
-        look-ups), as HashIndex.match; token_level: and the block whose first tokens are next."""
+        look-ups), as HashIndex.match does."""
         size, node, i, blocks, work = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
             chunk = token_ids[len(blocks) * size:(len(blocks) + 1) * size]
@@ -1065,22 +1050,13 @@ class RadixIndex:
                 break
             blocks.append(node.blocks[i])
             i += 1
-        reused = len(blocks) * size
-        if self.token_level and reused < len(token_ids):
-            ends = [(node.tokens[i * size:], node.blocks[i])] if i < len(node.blocks) else [
-                (child.tokens, child.blocks[0]) for child in node.children.values()]
-            best, block = max([(common_prefix(token_ids[reused:], tokens[:size]), block)
-                               for tokens, block in ends], default=(0, None))
-            if best > 0:
-                blocks.append(block)
-                reused += best
-        return blocks, reused, work
+        return blocks, len(blocks) * size, work
 
     def insert(self, table, tokens, first, last, now):
-        """Place blocks first..last-1 of table (full ones; token_level: a partial last too) after
+        """Place the full ones of blocks first..last-1 of table after
         block first - 1: a leaf grows, or a new leaf hangs where they branch off (a split)."""
         size = self.block_size
-        last = last if self.token_level else min(last, len(tokens) // size)
+        last = min(last, len(tokens) // size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
             return  # nothing to insert, or the block before stayed out
@@ -1089,9 +1065,9 @@ class RadixIndex:
             node = self.split(node, i)  # it branches off inside a node
         if i < len(node.blocks) or tuple(chunk) in node.children:
             return  # the tree holds these tokens in another block
-        if len(node.children) > 0 or node is self.root or len(node.tokens) % size > 0:
+        if len(node.children) > 0 or node is self.root:  # else a leaf: it grows
             child = RadixNode(node, node.depth + len(node.blocks), now, next(self.numbers))
-            node.children[tuple(chunk)] = node = child  # else a leaf ending full grows
+            node.children[tuple(chunk)] = node = child
         node.tokens += tokens[first * size:last * size]
         node.blocks += table[first:last]
         node.lock_ref += last - first  # every block inserted is in use
@@ -1291,9 +1267,8 @@ def serve(pool, stream):
 
 
 def demo_cache(block_size, seed):
-    """The six parts it prints: the sharing requests cached, vLLM's example, chained hashes,
-    the chat stream under pressure through both indexes, token-level reuse, cache-aware order
-    (seed 4)."""
+    """The five parts it prints: the sharing requests cached, vLLM's example, chained hashes,
+    the chat stream under pressure on both seams, cache-aware order (seed 4)."""
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
     explicit, cached = (system_prompt_requests(pool, pool_class is BlockAllocator, seed)
@@ -1307,19 +1282,13 @@ def demo_cache(block_size, seed):
     cache_vllm_example()
     cache_chained_hashes(block_size)
     stream = chat_stream(seed)
-    cache_two_seams(block_size, stream)
-    cache_token_level(seed)
-    cache_aware_order(block_size, stream)
-
-
-def cache_two_seams(block_size, stream):
-    """The stream through shrinking pools, LRU on both indexes: what each eviction frees."""
     print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
           f"{CHAT_TURNS} turns, round robin), LRU; the chain")
     print("   evicts a block at a time, the tree whole leaves; look-ups: hashes, or children "
           "visited")
     print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
+    cache_aware_order(block_size, stream)
 
 
 def print_two_seams(pools):
@@ -1388,41 +1357,14 @@ def cache_chained_hashes(block_size):
     print(f"   c = X+Y+1 token: {plural(pool.hits - hits, 'hit')}, {c.block_table[:2]}: {same}")
 
 
-def cache_token_level(seed):
-    """Tokens reused by full blocks against token-level matching, at several block sizes."""
-    stream, sizes = chat_stream(seed), (4, 8, 16, 32, 64)
-    prompt_tokens = sum(len(prompt) for prompt, _ in stream)
-    rows = {"full blocks": [], "token-level": [], "copies": []}
-    for size in sizes:
-        room = sum(cdiv(len(p) + len(a), size) for p, a in stream)
-        full = serve(PrefixCachingAllocator(room, size), stream)
-        token = serve(PrefixCachingAllocator(room, size, index=RadixIndex(size, token_level=True)),
-                      stream)
-        rows["full blocks"].append(full.hits * size / prompt_tokens)
-        rows["token-level"].append((token.hits * size + token.stats.partial) / prompt_tokens)
-        rows["copies"].append(token.num_copies)
-    print(f"5. token-level reuse (radix), the same requests with room for all: of "
-          f"{prompt_tokens:,} prompt tokens, reused")
-    print("   block size     " + "".join(f"{size:>8}" for size in sizes))
-    for name, cells in rows.items():
-        print(f"   {name:<15}" + "".join(f"{c:>8}" if name == "copies" else f"{c:>8.1%}"
-                                          for c in cells))
-    full, token = rows["full blocks"], rows["token-level"]
-    print(f"   from {sizes[0]} to {sizes[-1]} tokens a block, full blocks lose "
-          f"{(full[0] - full[-1]) * 100:.1f} points of reuse and token-level matching "
-          f"{(token[0] - token[-1]) * 100:.1f}")
-    return rows
-
-
 def cache_aware_order(block_size, stream):
     """Batches of WAITING requests served in arrival order, or longest cached prefix first."""
     tokens, results = CACHE_POOLS[len(CACHE_POOLS) // 2], {}
-    print(f"6. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
+    print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
     print("   order            index                 hits   blocks evicted")
     for order, name in itertools.product(("arrival", "longest prefix"),
-                                         ("hash", "radix", "radix, token-level")):
-        index = RadixIndex(block_size, token_level=True) if "," in name else name
-        pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", index)
+                                         ("hash", "radix")):
+        pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
         for first in range(0, len(stream), WAITING):
             batch = stream[first:first + WAITING]
             if order == "longest prefix":  # SGLang's lpm: the longest match first
@@ -2438,8 +2380,8 @@ def trace_gap(sizes, rate):
         s = leads[len(leads) // 2]
         online = max(recovered(p, s) for p in ("fifo", "s3fifo"))
         print(f"   at {s:,} blocks a look-ahead of {WINDOWS[-1]} prompts recovers "
-              f"{recovered(WINDOWS[-1], s):.0%} of the optimum's lead; FIFO or S3-FIFO,")
-        print(f"   which see no future, at best {online:.0%}")
+              f"{recovered(WINDOWS[-1], s):.0%} of the optimum's lead;")
+        print(f"   FIFO or S3-FIFO, which see no future, at best {online:.0%}")
 
 
 def trace_vs_mooncake(name, ceiling, lru_3m):
@@ -2646,12 +2588,11 @@ def demo_fleet(path, limit):
     best = min(runs, key=lambda s: runs[s].mean_ttft)
     print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
           f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
-    print("   mean TTFT, s, at each prefill efficiency: " + "  ".join(FLEET_SCHEDULERS))
+    print("   mean TTFT, s, by prefill efficiency" + "".join(f"{s:>12}" for s in FLEET_SCHEDULERS))
     for efficiency in FLEET_EFFICIENCIES:
         means = [(runs[s] if efficiency == FLEET_EFFICIENCIES[0] else replay_fleet(
             requests, many, s, efficiency=efficiency)).mean_ttft for s in FLEET_SCHEDULERS]
-        print(f"   {efficiency:>41.0%} " + "  ".join(f"{mean:>{len(s)}.1f}" for mean, s in
-                                                    zip(means, FLEET_SCHEDULERS)))
+        print(f"   {efficiency:>34.0%}" + "".join(f"{mean:>12.1f}" for mean in means))
     local, pooled = (replay_fleet(requests, few, s) for s in ("local", "global"))
     trace = next((t for t in MOONCAKE_GLOBAL if t.split("&")[0] in name), None)
     print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "

@@ -738,9 +738,7 @@ class TestPart6bRadixTree:
         assert tree_shape(pool.index.root) == {(1, 2, 3, 4, 5, 6, 7, 8): {}}
 
     @pytest.mark.parametrize("policy", ["lru", "fifo"])
-    @pytest.mark.parametrize("token_level", [False, True])
-    def test_eviction_frees_what_a_scan_of_every_leaf_would(self, lab, monkeypatch, policy,
-                                                            token_level):
+    def test_eviction_frees_what_a_scan_of_every_leaf_would(self, lab, monkeypatch, policy):
         pools = []
         real = lab.RadixIndex.evict
         def checked(index, n, now):  # the scan, on a copy of the tree first
@@ -750,14 +748,13 @@ class TestPart6bRadixTree:
             return freed
         monkeypatch.setattr(lab.RadixIndex, "evict", checked)
         for block_size, seed in ((1, 0), (2, 1), (4, 2)):
-            pools.append(caching(lab, 12, block_size, index=lab.RadixIndex(block_size, policy,
-                                                                             token_level)))
+            pools.append(caching(lab, 12, block_size, policy, "radix"))
             lab.fuzz(pools[-1], random.Random(seed), 500)
             pools[-1].allocate_many(12)  # evicts every cached block
             assert pools[-1].num_cached == 0 and pools[-1].index.node_of == {}
             assert pools[-1].index.root.children == {}
         stream = lab.chat_stream(4)
-        pools.append(caching(lab, 128, 16, index=lab.RadixIndex(16, policy, token_level)))
+        pools.append(caching(lab, 128, 16, policy, "radix"))
         assert lab.serve(pools[-1], stream).stats.evictions > 0
 
     def test_with_room_for_everything_the_tree_hits_what_the_hash_chain_hits(self, lab):
@@ -778,25 +775,6 @@ class TestPart6bRadixTree:
         lab.Sequence("a", pool, range(8))  # the root's children: a miss
         lab.Sequence("b", pool, range(9))  # one child, then along its run
         assert pool.stats.work == 2
-
-    def test_a_token_level_match_reuses_a_partial_block_through_a_copy(self, lab):
-        pool = caching(lab, 8, 4, index=lab.RadixIndex(4, token_level=True))
-        a = lab.Sequence("a", pool, range(6))
-        a.free()  # block 1 holds 4, 5: kept as a partial leaf
-        b = lab.Sequence("b", pool, [0, 1, 2, 3, 4, 5, 60])
-        assert pool.hits == 1 and pool.stats.partial == 2 and pool.num_copies == 1
-        assert b.read() == [0, 1, 2, 3, 4, 5, 60]
-        c = lab.Sequence("c", pool, [0, 1, 2, 3, 4, 70])  # the cached partial block is intact
-        assert c.read() == [0, 1, 2, 3, 4, 70] and pool.stats.partial == 3
-        lab.check_invariants(pool, [b, c])
-
-    def test_a_token_level_copy_on_a_full_pool_may_evict_its_own_source(self, lab):
-        pool = caching(lab, 2, 4, index=lab.RadixIndex(4, token_level=True))
-        lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6]).free()  # both blocks cached, evictable
-        b = lab.Sequence("b", pool, [1, 2, 3, 4, 5, 9])  # the copy of block 1 needs a block:
-        assert list(b.block_table) == [0, 1] and pool.stats.evicted == 1  # 1, copied onto itself
-        assert b.read() == [1, 2, 3, 4, 5, 9] and list(pool.index.node_of) == [0]
-        lab.check_invariants(pool, [b])
 
     def test_a_leaf_priority_the_tree_does_not_know_is_refused(self, lab):
         for policy in ("s3fifo", "optimal", lab.LRU()):
@@ -902,7 +880,7 @@ class TestPart6CacheSection:  # the cache section is written for you: it runs on
             st = lab.serve(caching(lab, int(size), 16, "lru", index), stream).stats
             assert (st.evictions, st.evicted, st.beyond) == (int(evictions), int(freed),
                                                              int(beyond))
-        assert all(f"\n{part}. " in out for part in range(1, 7))  # every part of the section
+        assert all(f"\n{part}. " in out for part in range(1, 6))  # every part of the section
         orders = re.findall(r"^   (?:arrival|longest prefix) +hash +(\d+) +(\d+)$", out,
                             re.MULTILINE)
         assert len(orders) == 2 and orders[0] != orders[1]  # the order changes what hits
@@ -913,12 +891,6 @@ class TestPart6CacheSection:  # the cache section is written for you: it runs on
             (before, answer), (prompt, _) = stream[i - n], stream[i]
             assert prompt[:len(before) + len(answer)] == before + answer
             assert len(prompt) == len(before) + len(answer) + lab.CHAT_QUESTION_LEN
-
-    def test_token_level_matching_reuses_at_least_full_blocks_and_copies_only_off_boundaries(
-            self, lab):
-        rows = lab.cache_token_level(4)
-        assert all(t >= f for t, f in zip(rows["token-level"], rows["full blocks"], strict=True))
-        assert rows["copies"][0] == 0  # block size 4 divides every chat length
 
 
 class TestPart7Preemption:
