@@ -16,30 +16,34 @@ token id itself, so every sequence reads back through its block table, checked a
 plain list. Read it top to bottom; each part builds on the ones above it.
 
     Part 1  the block pool ........... KVCache (slots), BlockAllocator (free list, ref-counts)
-    Part 2  block tables, sequences .. BlockTable, Sequence: a new block at the boundary
-    Part 3  sharing .................. share_prefix, fork, copy-on-write
+    Part 2  block tables, sequences .. BlockTable, Sequence: a new block at the boundary, fork,
+                                       copy-on-write of a shared last block
+    Part 3  sharing a prefix ......... share_prefix
     Part 4  checks ................... check_invariants, a randomized oracle, the pitfalls
     Part 5  demos .................... memory efficiency, prefix sharing, a block map
-    Part 6  prefix caching ........... an index (hash chain or radix tree), eviction policies
-    Part 7  preemption ............... recompute vs swap; the paper's 7.3
-    Part 8  parallel sampling, beams . fork and prune; the paper's 6.3
+    Part 6  prefix caching ........... two seams: vLLM's hash chain and its block policies
+                                       (6a, 6c), SGLang's radix tree evicting leaves (6b)
+    Part 7  preemption ............... recompute vs swap; the paper's 7.3 (Fig. 19)
+    Part 8  parallel sampling, beams . fork and prune; the paper's 6.3 (Fig. 15)
     Part 9  block-size sweep ......... fragmentation against block-table size; the paper's 7.2
     Part 10 benchmark ................ O(1) per operation; admission against the hash alone
     Part 11 a real trace ............. online policies against the offline optimum
+    Part 12 a fleet .................. where a request goes among prefill instances (Mooncake)
 
     python solution.py                 # the core: checks, pitfalls, memory, sharing
-    python solution.py all             # and the extensions but bench and trace (seconds)
-    python solution.py trace PATH      # replay a Mooncake trace
-    python solution.py starter 1 FILE  # this lab with Part 1's bodies removed: write them
+    python solution.py all             # and the extensions but bench, trace and fleet
+    python solution.py trace PATH      # replay a Mooncake trace; fleet PATH: on a fleet
+    python solution.py starter 1 FILE  # this lab with step 1's bodies removed: write them
     LAB_FILE=FILE python -m pytest test_solution.py  # the tests, on FILE (default: this one)
 
 Where the ideas come from:
     paper:  Kwon et al., "Efficient Memory Management for Large Language Model Serving
             with PagedAttention", SOSP 2023 (arXiv 2309.06180), sections 4, 6.3, 7.2, 7.3;
-            Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11)
+            Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11; its fleet: 12)
     vLLM:   vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py (v1: the
             free queue, ref_cnt, hash_block_tokens, get_computed_blocks); vllm/core/block/
             (v0: copy-on-write, swapping); SGLang: python/sglang/srt/mem_cache/radix_cache.py
+            and evict_policy.py; sgl-router's cache_aware policy
 
 Glossary (one word per idea; the code uses these and no others)
     pool            a BlockAllocator: a fixed number of physical blocks
@@ -52,10 +56,12 @@ Glossary (one word per idea; the code uses these and no others)
     share           take one more reference to a block; sequences share a prefix this way
     copy-on-write   before writing into a block another reference can see, copy it
     block hash      a full block's identity: SHA-256 of its tokens and its parent's hash
-    index           what finds a prompt's cached blocks: a hash chain, or a radix tree
+    index           what finds, keeps and evicts cached blocks: a hash chain, or a radix tree
     hit             a full prompt block found in the cache, reused, not prefilled
     evictable       a cached block nobody references: free, but kept until memory is needed
-    policy          which evictable block goes first (LRU, FIFO, S3-FIFO, a look-ahead)
+    policy          which evictable block goes first: for the hash chain a block policy (LRU,
+                    FIFO, S3-FIFO, a look-ahead), for the radix tree a leaf priority
+    lock            a radix node's blocks in use: a locked node is never evicted
 """
 
 import argparse
@@ -76,7 +82,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 BLOCK_SIZE = 16  # tokens per block; vLLM's default on GPUs
@@ -302,7 +308,7 @@ class Sequence:
     block_table (a BlockTable), is_freed. Refusals, changing nothing: TypeError for an
     allocator that is not a BlockAllocator, tokens not iterable, a token that is not an int
     (a bool is not); ValueError for a token below 0, and for any use of a freed sequence
-    (append, extend, read, fork, free), whose block table is empty."""
+    (append, extend, read, fork, free), whose block table is empty (its tokens stay)."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -409,7 +415,7 @@ class Sequence:
 # full blocks through the prefix cache of Part 6).
 
 def share_prefix(src, seq_id, num_tokens=None):
-    """A new sequence of src's class (type(src)) whose first num_tokens tokens (default: all)
+    """A new sequence, type(src)(seq_id, pool) with no tokens, whose first num_tokens (default all)
     are src's, in src's blocks, a partly covered last one got by pool.share_tail. Example: src
     has 20 tokens in [a, b] (block_size 16); share_prefix(src, "x", 18) gives x the table
     [a, b], ref-counts 2; who writes b copies it. Refusals, changing nothing: TypeError for a
@@ -458,8 +464,10 @@ def audit(pool):
 
 
 def check_invariants(allocator, sequences):
-    """Raise AssertionError naming the first broken invariant. sequences must include
-    every live sequence on allocator, or their references look like leaks."""
+    """Raise AssertionError naming the first broken invariant, its message starting with
+    what broke: "counts" or "free list" (audit), "block count", "read-back", "ref-count !=
+    block-table references". sequences must include every live sequence on allocator, or
+    their references look like leaks."""
     audit(allocator)
     references = Counter({block: 0 for block in allocator.ref_cnt})  # a leak stays at 0
     for seq in (seq for seq in sequences if not seq.is_freed):
@@ -487,9 +495,11 @@ def random_tokens(rng, n, vocab=32_000):
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), invariants
-    checked after each, a refused one (OutOfBlocksError) changing nothing, then the pool whole;
-    returns a Counter of what happened. A small vocab and prompts cut from earlier ones make
-    shared and cached prefixes common; "raw share" takes a pool.share, appends, drops it."""
+    checked after each, a refused one (OutOfBlocksError) changing nothing (else AssertionError
+    "atomicity: ..."), then the pool whole; returns a Counter of what happened: "create",
+    "append", "extend", "fork", "share" (share_prefix), "raw share" (a pool.share of a
+    sequence's last block held while it appends), "free", "refused". A small vocab and
+    prompts cut from earlier ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     for step in range(num_ops):
@@ -540,7 +550,9 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
 
 
 def check_block_boundary(sizes):
-    """A new block exactly when the last one is full, by append and by prefill, at each size."""
+    """A new block exactly when the last one is full, by append and by prefill, at each size:
+    a sequence "grown" appends 1, 2, ...; after each, a sequence "prompt" of range(n) (n the
+    tokens grown has) is checked with it (check_invariants), then freed. Returns a label."""
     for size in sizes:
         pool = BlockAllocator(64, size)
         grown = Sequence("grown", pool)
@@ -553,9 +565,10 @@ def check_block_boundary(sizes):
 
 
 def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=None):
-    """Where each sharing bug shows: a holds a full block and a partly full one; b shares both
-    but a's last token; b appends (a copy); a is freed (b keeps the shared block); c arrives.
-    check_invariants after each step, whose name goes to done (if given) first. Returns a label."""
+    """Where each sharing bug shows, on a pool of 8 blocks of size (3 or more): a holds a full
+    block and a partly full one; b shares both but a's last token; b appends (a copy); a is
+    freed (b keeps the shared block); c arrives. check_invariants after each step, whose name
+    ("a", "a.extend", "b", "b.append", "a.free", "c") goes to done first. Returns a label."""
     pool, live, done = pool_class(8, size), {}, [] if done is None else done
     steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
              "a.extend": lambda: live["a"].extend([size, size + 1]),
@@ -582,7 +595,8 @@ def run_checks(block_size, seed):
 
 
 def block_map(allocator, sequences):
-    """One line per sequence: its block table as [block:ref-count] cells."""
+    """One line per sequence: "    " and its seq_id in 4 columns, then its block table as
+    [block:ref-count] cells, the block right-aligned in 3: "    a   [  0:2][  1:1]"."""
     return [f"    {seq.seq_id!s:<4}" + "".join(f"[{block:>3}:{allocator.refcount(block)}]"
                                              for block in seq.block_table) for seq in sequences]
 
@@ -613,7 +627,8 @@ def commit_bug(method, line, bug):
 
 
 def demo_pitfalls(block_size, seed):
-    """Each of PITFALLS committed by commit_bug, and the step of sharing_scenario that fails."""
+    """Each of PITFALLS committed by commit_bug, and the step of sharing_scenario that fails,
+    at block size max(3, block_size): the scenario needs a full block and a partly full one."""
     size = max(3, block_size)
     print(f"== pitfalls: each classic bug committed, and what catches it (block size {size}) ==")
     print(f"   a = Sequence('a', pool, range({size})); a.extend([{size}, {size + 1}]); "
@@ -704,7 +719,10 @@ def system_prompt_requests(pool, share, seed):
 
 
 def demo_sharing(block_size, seed):
-    """NUM_REQUESTS requests with and without share_prefix (seed 1), then a fork's copy."""
+    """NUM_REQUESTS requests with and without share_prefix (seed 1), then a fork's copy: b =
+    a.fork('b') appends to a's partly full last block, and the line says "divergence forked
+    block" (at block size 1 a's blocks are full: "new block"; a write in place: "WROTE IN
+    PLACE"), with the block maps before and after."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
                      for share in (False, True))
@@ -893,9 +911,11 @@ class PrefixCachingAllocator(BlockAllocator):
         """Share the prompt's cached blocks once there is room for the rest (a revived block
         leaves num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
         = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. NOTE: vLLM stops a token short
-        (num_tokens - 1) to compute the last logits; this lab reuses every block it finds."""
-        check_tokens(token_ids)
+        (num_tokens - 1) to compute the last logits; this lab reuses every block it finds.
+        Only the tokens after the hits are checked here: a hit's were checked when written
+        (a hash of True is not 1's; the radix tree checks what it compares)."""
         blocks, reused, work = self.index.match(token_ids)
+        check_tokens(token_ids[reused:])
         size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
         revived = [block not in ref_cnt for block in blocks[:full]]
         self.ensure_free(cdiv(len(token_ids), size) - full + sum(revived))  # check, then act
@@ -1019,8 +1039,10 @@ class RadixIndex:
     NOTE: lock_ref counts a node's blocks in use; a sequence holds its whole path, so locked
     as by inc_lock_ref (a lone pool.share of a cached block breaks that: the audit says so).
     match neither splits nor touches (SGLang's does), so a refused prompt changes nothing.
-    Tokens the tree holds in another block stay out (SGLang frees it, takes the tree's).
-    State: root; node_of, block -> its node; leaves, a LazyHeap of the candidates; evictable."""
+    A block whose tokens the tree holds in another block stays out, and so do the blocks
+    after it in its table (SGLang frees it and takes the tree's). ValueError for a policy
+    not in PRIORITIES. State: policy; root; node_of, block -> its node; leaves, a LazyHeap of
+    the candidates; evictable."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -1037,7 +1059,9 @@ class RadixIndex:
 
     def match(self, token_ids):
         """(the tree's blocks of the prompt's leading full blocks, tokens they hold, child
-        look-ups), as HashIndex.match does."""
+        look-ups), as HashIndex.match does. It compares tokens with ==, under which True == 1:
+        it checks them first (check_tokens)."""
+        check_tokens(token_ids)
         size, node, i, blocks, work = self.block_size, self.root, 0, [], 0
         while len(blocks) < len(token_ids) // size:
             chunk = token_ids[len(blocks) * size:(len(blocks) + 1) * size]
@@ -2198,17 +2222,13 @@ def trace_decode_len(request, block_size):
 
 class Lookahead(LRU):
     """A scheduler that sees the next `window` prompts: evict the evictable block whose next
-    use among them is farthest; blocks none of them uses go first, least recently freed
-    first (tail-first frees make that a suffix before its prefix). future maps a block's
-    tokens (a tuple) to the prompt numbers that use them, in order; the replay builds it.
-    NOTE: tokens stand for a block's whole prefix here, as a Mooncake hash id does for its.
-    Lookahead(0) is LRU. Lookahead(math.inf) is Belady's offline optimum: farthest next use
-    is optimal for a cache of equal pages, and a prefix cache adds only that a block hits
-    when its parent does; every prompt that uses a block uses its parent, so a parent's
-    next use is never after its child's, and the tie goes to the child, freed first.
-    State: evictable, block -> (next use, when freed); order, those whose use is outside the
-    window, least recently freed first; near, a LazyHeap of the rest, farthest use first;
-    later, order's blocks with a use, nearest first, moved to near as the window reaches them."""
+    use among them is farthest; blocks none of them uses go first, least recently freed first.
+    future maps a block's tokens (a tuple) to the prompt numbers using them; the replay builds
+    it. Lookahead(0) is LRU; Lookahead(math.inf) is Belady's optimum (NOTE: a parent's next
+    use is never after its child's, and the tie goes to the child, freed first).
+    State: evictable, block -> (next use, when freed); order, those used outside the window,
+    LRU first; near, a LazyHeap of the rest, farthest use first; later, order's blocks with a
+    use, nearest first, moved to near as the window reaches them."""
 
     def __init__(self, window, future=None):
         self.window, self.future, self.uses = window, future, {}  # block -> its tokens' uses
@@ -2402,14 +2422,11 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # ---------------------------------------------------------------------------------------
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
-# One engine is not enough: a fleet of prefill instances, each with its own prefix cache,
-# sits behind a router, and the question becomes where a request goes. Spread them for
-# load and the caches stop hitting; send each to its longest cached prefix and the hot
-# prefixes pile onto one instance. Each instance here is a PrefixCachingAllocator of the
-# trace replay's mapping (a block per 512-token hash id) with a FIFO prefill queue; requests
-# arrive at the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's Fig. 10
-# (outputs of one token); a prompt's blocks are cached when it is scheduled.
-#
+# Behind a router, each prefill instance has its own prefix cache: spread requests for load
+# and the caches stop hitting; send each to its longest cached prefix and the hot prefixes
+# pile onto one instance. An instance here is a PrefixCachingAllocator (a block a 512-token
+# hash id) with a FIFO prefill queue; requests arrive at the trace's timestamps. NOTE: decode
+# is out of scope, as in Mooncake's Fig. 10; a prompt's blocks are cached when scheduled.
 # Time, Mooncake (Qin et al., FAST'25) Eq. 1 and Table 1, LLaMA3-70B on 8 x A800:
 #   flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4, b = 22; a cached prefix of p
 #   tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x an efficiency, 30% the
@@ -2439,7 +2456,7 @@ class Instance:
     pool: PrefixCachingAllocator
     free_at: float = 0.0  # when its prefill queue empties, s
     work: float = 0.0     # GPU seconds of prefill it did
-    done: list = field(default_factory=list)  # when each request it holds finishes, in order
+    done: deque = field(default_factory=deque)  # when each request it holds ends, in order
     seen: set = field(default_factory=set)    # hash ids routed to it: a router's tree
 
 
@@ -2458,6 +2475,9 @@ class Fleet:
     def queue(self, i, now):
         return max(0.0, self.instances[i].free_at - now)
 
+    def fetch(self, blocks):  # seconds to move blocks from another instance
+        return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
+
     def cached(self, i, hashes):
         """The leading blocks of a prompt (its chained block hashes) instance i has cached."""
         index = self.instances[i].pool.index
@@ -2466,7 +2486,7 @@ class Fleet:
     def load(self, i, now):  # requests queued or in prefill: what a router counts
         done = self.instances[i].done
         while len(done) > 0 and done[0] <= now:
-            done.pop(0)
+            done.popleft()
         return len(done)
 
 
@@ -2510,8 +2530,7 @@ def schedule_global(fleet, request, hashes, now):
     best, estimates = max(cached), []
     for i, own in enumerate(cached):
         reuse = best if best - own > FETCH_THRESHOLD else own
-        transfer = (reuse - own) * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
-        estimates.append((transfer + fleet.queue(i, now) + fleet.prefill(
+        estimates.append((fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
             request.input_length, TRACE_ID_TOKENS * reuse), i, reuse))
     _, i, reuse = min(estimates)
     return i, reuse
@@ -2545,9 +2564,8 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
         i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, hashes, now)
         own, instance = fleet.cached(i, hashes), fleet.instances[i]
         reuse = own if reuse is None else reuse
-        transfer = (reuse - own) * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
         work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
-        instance.free_at = max(now + transfer, instance.free_at) + work
+        instance.free_at = max(now + fleet.fetch(reuse - own), instance.free_at) + work
         instance.work += work
         instance.done.append(instance.free_at)
         instance.seen.update(request.hash_ids)
@@ -2571,10 +2589,8 @@ def demo_fleet(path, limit):
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
     many, few = FLEET_SIZES
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
-    print(f"each a PrefixCachingAllocator of {THREE_M:,} blocks (3M tokens), LRU; prefill by "
-          "Mooncake's Eq. 1")
-    print(f"(LLaMA3-70B, 8 x A800) at {FLEET_EFFICIENCIES[0]:.0%} of the peak; a fetch at "
-          f"{FETCH_BYTES_PER_S / 1e9:.0f} GB/s; outputs of 1 token")
+    print(f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
+          f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s")
     print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, "
           "conversation trace), quoted")
     print("   scheduler     mean TTFT   p90 TTFT  hit rate  prefill s/req  busiest  Fig. 5 mean")
@@ -2598,12 +2614,11 @@ def demo_fleet(path, limit):
     print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "
           "quoted")
     print("   quantity           local   global   global / local   Fig. 10, this trace")
-    for row, (label, mine, pool) in enumerate((("hit rate", local.hit_rate, pooled.hit_rate),
-                                               ("prefill s/req", local.prefill_seconds,
-                                                pooled.prefill_seconds))):
-        cells = (f"{mine:.1%}", f"{pool:.1%}") if row == 0 else (f"{mine:.2f}", f"{pool:.2f}")
+    for row, (label, name, form) in enumerate((("hit rate", "hit_rate", ".1%"),
+                                               ("prefill s/req", "prefill_seconds", ".2f"))):
+        mine, pool = getattr(local, name), getattr(pooled, name)
         paper = "-" if trace is None else f"{MOONCAKE_GLOBAL[trace][row]:.2f}x"
-        print(f"   {label:<15} {cells[0]:>8} {cells[1]:>8} {pool / mine:>15.2f}x {paper:>19}")
+        print(f"   {label:<15} {mine:>8{form}} {pool:>8{form}} {pool / mine:>15.2f}x {paper:>19}")
     print(f"   here one global pool reuses {pooled.hit_rate / local.hit_rate:.2f}x the blocks "
           f"local caches do, and needs {pooled.prefill_seconds / local.prefill_seconds:.2f}x")
     print("   their prefill time (our local caches are already routed to, by Algorithm 1)")
