@@ -952,8 +952,9 @@ class PrefixCachingAllocator(BlockAllocator):
                     self.free_block_ids.append(block)
 
     def allocate(self):  # NOTE: uncached free blocks first; vLLM pops one queue of both
-        self.ensure_free(1)
-        self.make_room(1)
+        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks:
+            self.ensure_free(1)  # the check, before the eviction
+            self.make_room(1)
         return super().allocate()
 
     def allocate_many(self, n):

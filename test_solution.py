@@ -445,6 +445,19 @@ class TestPart4Checks:
         with pytest.raises(AssertionError):
             lab.check_block_boundary([3])
 
+    def test_the_boundary_check_names_the_prompt_a_prefill_gave_a_block_too_many(
+            self, lab, monkeypatch):
+        _, method, line, bug = lab.PITFALLS[2]
+        monkeypatch.setattr(lab.module, "Sequence", lab.commit_bug(method, line, bug))
+        with pytest.raises(AssertionError, match="block count: sequence 'prompt' holds 2 blocks"):
+            lab.check_block_boundary([3])
+
+    def test_a_block_map_shows_each_table_as_block_and_ref_count_cells(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        a = lab.Sequence("a", pool, range(3))
+        assert lab.block_map(pool, [a, a.fork("b")]) == ["    a   [  0:2][  1:2]",
+                                                          "    b   [  0:2][  1:2]"]
+
     @pytest.mark.parametrize("number", range(4))
     def test_each_pitfall_is_caught_by_the_oracle(self, lab, number):
         _, method, line, bug = lab.PITFALLS[number]
