@@ -1733,6 +1733,7 @@ BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in its Fig. 15
 SHARING_SEEDS = 3        # serving runs per cell, from seed 6 (or --seed)
 SERVING_KV_TOKENS = 15_700  # tokens of KV in a serving run's pool: the paper's OPT-13B on an
 # A100-40GB (its Table 1: 15.7K slots); the largest request, 6 x 2048 tokens, fits
+SERVING_BLOCK_SIZE = 16  # tokens a block in a serving run: the artifact's (fig15.sh)
 SERVING_LIFETIMES = 3     # a serving run lasts this many mean output lengths, in steps
 PAPER_63 = {  # the paper's 6.3, quoted
     "quote": "We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 55.2% on "
@@ -1850,23 +1851,25 @@ def demo_beam(block_size, seed):
     for beams in beam_search(pool, list(range(prompt_len)), width, steps, random.Random(7)):
         picture = block_map(pool, beams)
     print("\n".join(picture))
-    demo_serving(block_size, first)
+    demo_serving(first)
 
 
-def demo_serving(block_size, first):
-    """The 6.3 table: each cell's saving for seeds first.., beside the paper's span."""
+def demo_serving(first):
+    """The 6.3 table: each cell's saving for seeds first.., beside the paper's span, at the
+    artifact's block size (SERVING_BLOCK_SIZE), whatever the section's."""
     seeds = range(first, first + SHARING_SEEDS)
     print("3. memory saved by sharing vs the paper (6.3), quoted:")
     print(textwrap.fill(f'"{PAPER_63["quote"]}" Its artifact computes each as 1 - 1 / mean(L / P), '
                         "L and P the logical and physical blocks in use at each step of a "
                         f"serving run (plot_fig15.py); ours the same, on a {SERVING_KV_TOKENS:,}-"
-                        "token pool kept full:", 96, initial_indent="   ", subsequent_indent="   "))
+                        f"token pool kept full, {SERVING_BLOCK_SIZE} tokens a block as its:", 96,
+                        initial_indent="   ", subsequent_indent="   "))
     print("   dataset   kind      n or k  " + "".join(f"seed {s:<4}" for s in seeds)
           + " paper, over n or k")
     spans, spread = [], 0.0
     for dataset in (ALPACA, SHAREGPT):
         for kind, widths in (("parallel", NUM_SAMPLES), ("beam", BEAM_WIDTHS)):
-            cells = [[serving_saving(dataset, kind, width, s, block_size) for s in seeds]
+            cells = [[serving_saving(dataset, kind, width, s, SERVING_BLOCK_SIZE) for s in seeds]
                      for width in widths]
             low, high = PAPER_63[dataset[0], kind]
             for row, (width, savings) in enumerate(zip(widths, cells, strict=True)):

@@ -1245,7 +1245,8 @@ class TestPart11Trace:
             return {"lru": 0.25, "fifo": 0.4, "s3fifo": 0.3, "optimal": 0.75}[policy]
         lab.trace_gap([10], rate)
         out = capsys.readouterr().out
-        assert "   fifo               40.0% ( 30%)" in out and "optimal            75.0% (100%)" in out
+        assert "   fifo               40.0% ( 30%)" in out
+        assert "   optimal            75.0% (100%)" in out
         assert f"a look-ahead of {lab.WINDOWS[-1]} prompts recovers 25%" in out
         assert "at best 30%" in out
 
@@ -1417,7 +1418,8 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
                                       ["--seed", "-1"], ["nope"], ["trace"],
-                                      ["starter", "13", "f.py"], ["starter", "6", "f.py"], ["--index", "tree"],
+                                      ["starter", "13", "f.py"], ["starter", "6", "f.py"],
+                                      ["--index", "tree"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
                                       ["trace", "t.jsonl", "--seed", "1"],
                                       ["starter", "1", "f.py", "--block-size", "8"],
