@@ -1784,22 +1784,14 @@ def beam_search(pool, prompt, width, output_len, rng):
         seq.free()
 
 
-def footprint(kind, prompt, outputs, block_size):
-    """Blocks a group may hold at once: every table's entries, unshared (a beam search also a
-    copy in flight)."""
-    if kind == "parallel":
-        return sum(cdiv(prompt + output, block_size) for output in outputs)
-    return len(outputs) * (cdiv(prompt + outputs[0], block_size) + 1)
-
-
 def serving_saving(dataset, kind, width, seed, block_size):
     """The saving of one serving run, the artifact's way: 1 - 1 / mean(L / P), L the block-table
     entries and P the blocks in use after each step, over the last two thirds of the steps (its
-    plot_fig15.py keeps 300-900 s of a 900 s run). Requests come faster than they can be
-    served: the next is admitted whenever the footprints of all fit the pool; its lengths drawn
-    by draw_length from Random(seed) around dataset's means (prompt first, capped at
-    MAX_SEQ_LEN // 2; then each sample's output, or the beams' one, at the rest); each step,
-    every group decodes a token. The run lasts SERVING_LIFETIMES mean outputs, in steps."""
+    plot_fig15.py keeps 300-900 s of 900 s). Requests come faster than they are served: the
+    next is admitted once all fit the pool unshared (each table's entries, and a copy in
+    flight); its lengths drawn by draw_length from Random(seed) around dataset's means (the
+    prompt's, capped at MAX_SEQ_LEN // 2; each sample's output, or the beams' one, at the
+    rest); each step every group decodes a token; SERVING_LIFETIMES mean outputs of steps."""
     _, prompt_mean, output_mean = dataset
     rng, pool = random.Random(seed), BlockAllocator(SERVING_KV_TOKENS // block_size, block_size)
     groups, ratios, steps, ahead = {}, [], round(SERVING_LIFETIMES * output_mean), None
@@ -1817,7 +1809,7 @@ def serving_saving(dataset, kind, width, seed, block_size):
                 outputs = [draw_length(rng, output_mean, MAX_SEQ_LEN - prompt)
                            for _ in range(width if kind == "parallel" else 1)]
                 ahead = (random_tokens(rng, prompt), outputs * (1 if kind == "parallel" else width))
-            need = footprint(kind, len(ahead[0]), ahead[1], block_size)
+            need = sum(cdiv(len(ahead[0]) + output, block_size) + 1 for output in ahead[1])
             if sum(groups.values()) + need > pool.num_blocks:
                 break
             group = parallel_sampling(pool, *ahead, rng) if kind == "parallel" else \
@@ -2658,14 +2650,7 @@ def knob_ranges(b):
 
 
 CORE_STEPS = ("1", "2", "3", "4", "5")
-
-
-def steps():
-    """The lab's steps, in order, from its banners: the parts, Part 6 as 6a, 6b and 6c."""
-    with open(__file__, encoding="utf-8") as source:
-        found = [m.group(1) or m.group(2) for line in source
-                 if (m := re.match(r"# (?:Part (\d+)\. |(\d+[a-c])\. )", line))]
-    return [step for step in found if step != "6"]  # Part 6 is its three steps
+STEPS = (*CORE_STEPS, "6a", "6b", "6c", "7", "8", "9", "10", "11", "12")  # the banners' names
 
 
 def starter(step, path):
@@ -2718,9 +2703,9 @@ def main(argv=None):
     names = args.sections or list(CORE)
     if names[0] == "starter":  # before any check: a starter's own parts may be empty
         options = (args.block_size, args.seed, args.requests, args.index)
-        if len(names) != 3 or names[1] not in steps() or options != (BLOCK_SIZE, None, None,
-                                                                      "hash"):
-            parser.error(f"starter STEP FILE: STEP is one of {', '.join(steps())}, FILE where "
+        if len(names) != 3 or names[1] not in STEPS or options != (BLOCK_SIZE, None, None,
+                                                                    "hash"):
+            parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where "
                          "to write the lab; no options")
         try:
             return starter(names[1], names[2])

@@ -1520,7 +1520,7 @@ def step_outcomes(lab, tmp_path_factory):
     its starter writes; "renamed": every core step on renamed_undocumented(the lab). The runs
     go side by side."""
     folder, runs = tmp_path_factory.mktemp("steps"), {}
-    for step in [*STEPS, "renamed"]:
+    for step in [*STEPS, "renamed"]:  # the test file's STEPS: a step's graded classes
         path = folder / f"step{step}.py"
         if step == "renamed":
             path.write_text(renamed_undocumented(LAB_FILE.read_text()))
