@@ -1398,7 +1398,7 @@ def cache_aware_order(block_size, stream):
         results[order, name] = (pool.hits, pool.stats.evicted)
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
     arrival, lpm = results["arrival", "hash"], results["longest prefix", "hash"]
-    print(f"   longest prefix first, against arrival order (hash): {arrival[0]} -> {lpm[0]} hits, "
+    print(f"   longest prefix first, against arrival (hash): {arrival[0]} -> {lpm[0]} hits, "
           f"{arrival[1]} -> {lpm[1]} blocks evicted")
 
 
