@@ -1720,13 +1720,11 @@ def evict_fig_19b(first, copies, latency):
 # ---------------------------------------------------------------------------------------
 # Part 8. Extension: parallel sampling and beam search
 # ---------------------------------------------------------------------------------------
-# n samples of one prompt, or k beams, are sequences with a long common past. Forked, that past
-# is stored once and each sequence pays only where it diverges: blocks of its own, plus one copy
-# of the shared last block if the fork happened mid-block. Without sharing, every block-table
-# entry would be a block of its own, so a count of both measures the saving: block-table
-# entries (logical blocks) against the pool's blocks in use (physical). NOTE: vLLM v1 has
-# neither fork nor beam search: n samples are child requests sharing full blocks through the
-# prefix cache; beam search runs above it.
+# n samples of one prompt, or k beams, share a long past. Forked, it is stored once and each
+# sequence pays where it diverges (and one copy of a shared last block, forked mid-block).
+# Block-table entries (logical blocks) against blocks in use (physical) measure the saving.
+# NOTE: vLLM v1 has neither fork nor beam search: its n samples share full blocks through
+# the prefix cache; beam search runs above it.
 
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper's Fig. 15
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in its Fig. 15
@@ -1734,7 +1732,7 @@ SHARING_SEEDS = 3        # serving runs per cell, from seed 6 (or --seed)
 SERVING_KV_TOKENS = 15_700  # tokens of KV in a serving run's pool: the paper's OPT-13B on an
 # A100-40GB (its Table 1: 15.7K slots); the largest request, 6 x 2048 tokens, fits
 SERVING_BLOCK_SIZE = 16  # tokens a block in a serving run: the artifact's (fig15.sh)
-SERVING_LIFETIMES = 3     # a serving run lasts this many mean output lengths, in steps
+SERVING_LIFETIMES = 3     # a serving run's steps, in mean output lengths
 PAPER_63 = {  # the paper's 6.3, quoted
     "quote": "We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 55.2% on "
              "beam search. In the same experiments with the ShareGPT dataset, we saw 16.2% - "
@@ -1829,10 +1827,8 @@ def demo_beam(block_size, seed):
     print(f"1. a prompt forked into {samples} samples that each decode 8 tokens:")
     for prompt_len in (6 * block_size + max(1, block_size // 4), 6 * block_size):
         pool = BlockAllocator(samples * cdiv(prompt_len + 8, block_size), block_size)
-        for _ in parallel_sampling(pool, list(range(prompt_len)), [8] * samples, random.Random()):
-            pass
-        copies, where = pool.num_copies, "mid-block" if prompt_len % block_size else \
-            "on a block boundary"
+        list(parallel_sampling(pool, list(range(prompt_len)), [8] * samples, random.Random(first)))
+        copies, where = pool.num_copies, "mid-block" if prompt_len % block_size else "on a boundary"
         verdict = " =" if copies == samples - 1 else f", not {samples - 1}:"
         print(f"   {prompt_len} tokens, ending {where}: {plural(copies, 'copy', 'copies')}"
               + (f"{verdict} one per writer but the last" if prompt_len % block_size else ""))
@@ -2439,11 +2435,11 @@ ROUTER = (0.3, 64, 1.5)  # SGLang's and vLLM's routers' cache_aware defaults (ro
 # cache_threshold, balance_abs_threshold, balance_rel_threshold
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
-MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74),  # Fig. 10: hit
-                   "synthetic": (2.36, 0.52)}  # rate and prefill GPU time, global / local
+MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74), "synthetic": (
+    2.36, 0.52)}  # Fig. 10: hit rate and prefill GPU time, global / local
 
 
-def flops(tokens):
+def flops(tokens):  # Eq. 1
     return FLEET_LAYERS * (FLEET_A * tokens ** 2 * FLEET_DIM + FLEET_B * tokens * FLEET_DIM ** 2)
 
 
@@ -2627,8 +2623,6 @@ def demo_fleet(path, limit):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
-
-
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
@@ -2679,8 +2673,7 @@ def starter(step, path):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        """Exit with status 2 and one line naming what was wrong (no usage dump)."""
+    def error(self, message):  # exit 2 with one line naming what was wrong, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
