@@ -1820,8 +1820,7 @@ def serving_saving(dataset, kind, width, seed, block_size):
 
 
 def demo_beam(block_size, seed):
-    """Copies per fork, a beam search's block map, then the 6.3 saving of a serving run per
-    dataset, kind and n or k, over SHARING_SEEDS seeds from 6 (or from seed)."""
+    """Copies per fork, a beam search's block map, then demo_serving from seed 6 (or seed)."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
     print(f"1. a prompt forked into {samples} samples that each decode 8 tokens:")
@@ -2576,8 +2575,7 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
 
 
 def demo_fleet(path, limit):
-    """Every scheduler on FLEET_SIZES[0] instances beside Mooncake's Fig. 5, at each
-    efficiency; local caches against a global pool on FLEET_SIZES[1], beside its Fig. 10."""
+    """Each scheduler on FLEET_SIZES[0] instances (Fig. 5), then local vs global on [1] (10)."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
     many, few = FLEET_SIZES
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
