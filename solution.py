@@ -2430,8 +2430,7 @@ FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # the first is the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
 FETCH_THRESHOLD = 2  # blocks a remote prefix must beat the local one by to be fetched: ours
-ROUTER = (0.3, 64, 1.5)  # SGLang's and vLLM's routers' cache_aware defaults (router_args.py):
-# cache_threshold, balance_abs_threshold, balance_rel_threshold
+ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
 MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74), "synthetic": (
@@ -2636,9 +2635,10 @@ def knob_ranges(b):
             "SWAP_TOKENS": (1, math.inf), "COPY_LATENCY_S": (0, 1),
             "PREFILL_EFFICIENCIES": (0.01, 1), "MAX_SEQ_LEN": (2, math.inf),
             "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
-            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SEEDS": (1, math.inf),
-            "SWEEP_SIZES": (1, MAX_BLOCK_SIZE), "SWEEP_SYSTEM_LEN": (1, math.inf),
-            "BENCH_POOLS": (max(100, b), math.inf), "BENCH_REPEATS": (1, math.inf)}
+            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SEEDS": (1, math.inf), "SWEEP_SIZES": (
+                1, MAX_BLOCK_SIZE), "SWEEP_SYSTEM_LEN": (1, math.inf), "FLEET_SIZES": (1, math.inf),
+            "BENCH_POOLS": (max(100, b), math.inf), "BENCH_REPEATS": (1, math.inf),
+            "FLEET_EFFICIENCIES": (0.01, 1)}
 
 
 CORE_STEPS = ("1", "2", "3", "4", "5")

@@ -1434,7 +1434,8 @@ class TestCommandLine:
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
                                              ("NUM_SAMPLES", ()), ("BEAM_WIDTHS", (2, 8)),
                                              ("SWEEP_SEEDS", 0), ("MAX_SEQ_LEN", 1),
-                                             ("PREFILL_EFFICIENCIES", (0.0,))])
+                                             ("PREFILL_EFFICIENCIES", (0.0,)),
+                                             ("FLEET_SIZES", (16, 0))])
     def test_a_knob_that_would_fail_far_from_its_cause_is_named_before_anything_runs(
             self, lab, capsys, monkeypatch, knob, value):
         monkeypatch.setattr(lab.module, knob, value)
