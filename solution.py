@@ -752,10 +752,9 @@ def demo_sharing(block_size, seed):
 # Part 6. Extension: automatic prefix caching
 # ---------------------------------------------------------------------------------------
 # A server finds shared prefixes by itself: it remembers full blocks, a new prompt reuses the
-# longest run of its leading blocks remembered, and freed cached blocks wait, KV and all,
-# until memory is needed. An index finds, remembers and evicts them. Two seams: vLLM's hash
-# chain evicts one block at a time, as a block policy names (6a, 6c); SGLang's radix tree
-# evicts whole leaves, lowest priority first (6b).
+# longest run of its leading blocks remembered, and freed cached blocks wait, KV and all, until
+# memory is needed. The index that finds them has two seams: vLLM's hash chain evicts a
+# block at a time, as a block policy names (6a, 6c); SGLang's radix tree, whole leaves (6b).
 
 # 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
@@ -768,9 +767,8 @@ def hash_block_tokens(parent_hash, token_ids):
     Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
     hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
     second block of tokens after another parent: its hash is not h1.
-    NOTE: chained, a hash covers every token before it. No token compare on a hit, as vLLM,
-    which seeded Python's hash() at random after advisory GHSA-rm76-4mrf-v9r8 (Jan. 2025),
-    offered SHA-256 from v0.8.3 and made it the default by v0.11."""
+    NOTE: no token compare on a hit, as vLLM, which seeded Python's hash() at random after
+    GHSA-rm76-4mrf-v9r8 (Jan. 2025), offered SHA-256 from v0.8.3, its default by v0.11."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
     return hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -910,10 +908,8 @@ class PrefixCachingAllocator(BlockAllocator):
     def share_cached_prefix(self, token_ids):
         """Share the prompt's cached blocks once there is room for the rest (a revived block
         leaves num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
-        = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. NOTE: vLLM stops a token short
-        (num_tokens - 1) to compute the last logits; this lab reuses every block it finds.
-        Only the tokens after the hits are checked here: a hit's were checked when written
-        (a hash of True is not 1's; the radix tree checks what it compares)."""
+        = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are
+        checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1)."""
         blocks, reused, work = self.index.match(token_ids)
         check_tokens(token_ids[reused:])
         size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
@@ -952,9 +948,8 @@ class PrefixCachingAllocator(BlockAllocator):
                     self.free_block_ids.append(block)
 
     def allocate(self):  # NOTE: uncached free blocks first; vLLM pops one queue of both
-        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks:
-            self.ensure_free(1)  # the check, before the eviction
-            self.make_room(1)
+        self.ensure_free(1)  # the check, before the eviction
+        self.make_room(1)
         return super().allocate()
 
     def allocate_many(self, n):
@@ -978,8 +973,7 @@ class PrefixCachingAllocator(BlockAllocator):
 class LazyHeap:
     """Items by distinct keys: push(item, key), discard(item), pop() the least (peek: its (key,
     item)). An old entry stays in the heap, skipped when popped; the heap is rebuilt when most
-    are old, so it holds at most two per item (heapq has no decrease-key). State: key, item ->
-    its key; heap, of (key, item)."""
+    are old, so it holds at most two per item (heapq has no decrease-key)."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -1014,9 +1008,8 @@ class LazyHeap:
 
 
 class RadixNode:
-    """A run of blocks: tokens (the key, block_size a block), blocks (the value), children by
-    their first block's tokens, parent, depth (blocks above it), lock_ref (its blocks in use,
-    always its first ones), last_access and created (the pool's clock), number (a tie-break)."""
+    """A run of blocks: tokens, blocks, children (by their first block's tokens), parent, depth
+    (blocks above), lock_ref (its blocks in use: its first ones), last_access, created, number."""
 
     def __init__(self, parent, depth, now, number):
         self.parent, self.depth, self.tokens, self.blocks, self.children = parent, depth, [], [], {}
@@ -1028,60 +1021,47 @@ PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py:
 
 
 class RadixIndex:
-    """SGLang's index: a radix tree of cached blocks; its leaves go whole, lowest priority
-    first (PRIORITIES). A node holds a run of blocks, its children start with other blocks.
-    Example, block_size 2, 6 blocks, LRU; each step as SGLang's radix_cache.py takes it:
+    """SGLang's index: a radix tree of cached blocks whose leaves go whole, lowest priority
+    first (a name in PRIORITIES, else ValueError). Example, block_size 2, 6 blocks, LRU:
         a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2): an evictable leaf
         b = [1 2 3 4 7 8]          hits 0 1, locks them; [7 8] splits the node (_split_node):
                                    root -> [1 2 3 4] -> {[5 6], [7 8]}
         c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the one leaf that
                                    b's lock (inc_lock_ref) leaves unprotected
         b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
-    NOTE: lock_ref counts a node's blocks in use; a sequence holds its whole path, so locked
-    as by inc_lock_ref (a lone pool.share of a cached block breaks that: the audit says so).
-    match neither splits nor touches (SGLang's does), so a refused prompt changes nothing.
-    A block whose tokens the tree holds in another block stays out, and so do the blocks
-    after it in its table (SGLang frees it and takes the tree's). ValueError for a policy
-    not in PRIORITIES. State: policy; root; node_of, block -> its node; leaves, a LazyHeap of
-    the candidates; evictable."""
+    NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing.
+    A block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
+    frees it). State: root; node_of, block -> node; leaves, a LazyHeap of the leaves with a
+    block nobody uses; evictable, their count. A lone pool.share of a cached block breaks it."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
             raise ValueError(f"a leaf priority is one of {', '.join(PRIORITIES)}, got {policy!r}")
-        self.block_size, self.policy = block_size, policy
-        self.numbers = itertools.count()
+        self.block_size, self.policy, self.numbers = block_size, policy, itertools.count()
         self.root = RadixNode(None, 0, 0, next(self.numbers))
-        self.node_of = {}         # block -> the node holding it
-        self.leaves = LazyHeap()  # the candidates: leaves with a block nobody uses
-        self.evictable = 0        # blocks of the tree nobody uses (SGLang: evictable_size_)
+        self.node_of, self.leaves, self.evictable = {}, LazyHeap(), 0
 
     def __len__(self):
         return self.evictable
 
     def match(self, token_ids):
-        """(the tree's blocks of the prompt's leading full blocks, tokens they hold, child
-        look-ups), as HashIndex.match does. It compares tokens with ==, under which True == 1:
-        it checks them first (check_tokens)."""
+        """As HashIndex.match, in child look-ups; it compares tokens, so it checks them."""
         check_tokens(token_ids)
-        size, node, i, blocks, work = self.block_size, self.root, 0, [], 0
-        while len(blocks) < len(token_ids) // size:
-            chunk = token_ids[len(blocks) * size:(len(blocks) + 1) * size]
+        size, node, blocks, work = self.block_size, self.root, [], 0
+        for k in range(len(token_ids) // size):
+            chunk, i = token_ids[k * size:(k + 1) * size], k - node.depth
             if i == len(node.blocks):  # at the end of a node: the child that starts so
                 work += 1
-                if tuple(chunk) not in node.children:
-                    break
-                node, i = node.children[tuple(chunk)], 0
-            if node.tokens[i * size:(i + 1) * size] != chunk:
+                node, i = node.children.get(tuple(chunk)), 0
+            if node is None or node.tokens[i * size:(i + 1) * size] != chunk:
                 break
             blocks.append(node.blocks[i])
-            i += 1
         return blocks, len(blocks) * size, work
 
     def insert(self, table, tokens, first, last, now):
-        """Place the full ones of blocks first..last-1 of table after
-        block first - 1: a leaf grows, or a new leaf hangs where they branch off (a split)."""
-        size = self.block_size
-        last = min(last, len(tokens) // size)
+        """Place the full ones of blocks first..last-1 of table after block first - 1: a leaf
+        grows, or a new leaf hangs where they branch off (a split)."""
+        size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
             return  # nothing to insert, or the block before stayed out
@@ -1097,13 +1077,11 @@ class RadixIndex:
         node.blocks += table[first:last]
         node.lock_ref += last - first  # every block inserted is in use
         node.last_access = now
-        for block in table[first:last]:
-            self.node_of[block] = node
+        self.node_of.update(dict.fromkeys(table[first:last], node))
         self.update(node)
 
     def split(self, node, i):
-        """Cut node before its block i: a node above it takes blocks 0..i-1 and their locks
-        (SGLang's _split_node); returns it."""
+        """SGLang's _split_node: a new parent takes node's blocks 0..i-1, and their locks."""
         size = self.block_size
         head = RadixNode(node.parent, node.depth, node.created, next(self.numbers))
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
@@ -1112,8 +1090,7 @@ class RadixIndex:
         head.children[tuple(node.tokens[i * size:(i + 1) * size])] = node
         del node.tokens[:i * size], node.blocks[:i]
         node.parent, node.depth, node.lock_ref = head, node.depth + i, node.lock_ref - head.lock_ref
-        for block in head.blocks:
-            self.node_of[block] = head
+        self.node_of.update(dict.fromkeys(head.blocks, head))
         return head
 
     def holds(self, block):
@@ -1121,38 +1098,33 @@ class RadixIndex:
 
     def hit(self, block, revived, now):  # SGLang: inc_lock_ref, and the access time
         self.node_of[block].last_access = now
-        self.lock(block, 1 if revived else 0)
+        self.update(self.node_of[block], 1 if revived else 0)
 
     def release(self, block, now):  # SGLang: dec_lock_ref
-        if block in self.node_of:
-            self.lock(block, -1)
-        return block in self.node_of
+        if self.holds(block):
+            self.update(self.node_of[block], -1)
+        return self.holds(block)
 
-    def lock(self, block, delta):
-        node = self.node_of[block]
-        node.lock_ref += delta
-        self.evictable -= delta
-        self.update(node)
-
-    def update(self, node):
-        """node is a candidate exactly while it is a leaf with a block nobody uses."""
+    def update(self, node, locks=0):
+        """Lock locks more of node's blocks; it is a candidate while a leaf with a free block."""
+        node.lock_ref += locks
+        self.evictable -= locks
         if node is not self.root and len(node.children) == 0 and node.lock_ref < len(node.blocks):
             self.leaves.push(node, (PRIORITIES[self.policy](node), node.number))
         else:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """Free n blocks or more: candidates, lowest priority first, each whole but for its
-        blocks in use; a parent left childless is a candidate then (SGLang's evict)."""
+        """SGLang's evict: n blocks or more from leaves, lowest priority first, each whole but its
+        blocks in use; a parent left childless is a leaf then."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
-            key, keep = tuple(node.tokens[:self.block_size]), node.lock_ref
-            freed += node.blocks[keep:]
-            del node.blocks[keep:], node.tokens[keep * self.block_size:]
-            if keep == 0:
-                del node.parent.children[key]
+            freed += node.blocks[node.lock_ref:]
+            if node.lock_ref == 0:
+                del node.parent.children[tuple(node.tokens[:self.block_size])]
                 self.update(node.parent)
+            del node.blocks[node.lock_ref:], node.tokens[node.lock_ref * self.block_size:]
         for block in freed:
             del self.node_of[block]
         self.evictable -= len(freed)
@@ -1167,7 +1139,6 @@ class RadixIndex:
         evictable = [block for block in self.node_of if block not in in_use]
         expect(len(evictable) == self.evictable, "radix: evictable blocks miscounted")
         return evictable
-
 
 INDEXES["radix"] = RadixIndex
 
@@ -1200,9 +1171,8 @@ class S3FIFO(LRU):
     head, unless hit twice, which moves to the main FIFO queue; an evicted block's tokens join
     a ghost queue (as long as main, at least 1), and a block cached while remembered starts
     in main. Main gives a block hit since another round, its hits (at most 3) less one.
-    NOTE: 10%, 2 hits and the cap of 3 are libCacheSim's (S3FIFO.c); its ghost holds 90% of
-    the cache. A policy hears only of hits that revive a block: those on blocks in use never
-    count."""
+    NOTE: 10%, 2 hits and the cap are libCacheSim's (S3FIFO.c; its ghost holds 90% of the
+    cache). A policy never hears of hits on blocks in use."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
@@ -1292,13 +1262,11 @@ def serve(pool, stream):
 
 
 def demo_cache(block_size, seed):
-    """The five parts it prints: the sharing requests cached, vLLM's example, chained hashes,
-    the chat stream under pressure on both seams, cache-aware order (seed 4)."""
+    """The sharing demo cached, vLLM's example, chained hashes, both seams, cache-aware order."""
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
-    explicit, cached = (system_prompt_requests(pool, pool_class is BlockAllocator, seed)
-                        for pool_class in (BlockAllocator, PrefixCachingAllocator)
-                        for pool in [pool_class(num_blocks, block_size)])
+    explicit = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
+    cached = system_prompt_requests(PrefixCachingAllocator(num_blocks, block_size), False, seed)
     print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
     print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
     print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
@@ -1308,9 +1276,7 @@ def demo_cache(block_size, seed):
     cache_chained_hashes(block_size)
     stream = chat_stream(seed)
     print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
-          f"{CHAT_TURNS} turns, round robin), LRU; the chain")
-    print("   evicts a block at a time, the tree whole leaves; look-ups: hashes, or children "
-          "visited")
+          f"{CHAT_TURNS} turns, round robin), LRU")
     print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
     cache_aware_order(block_size, stream)
@@ -1384,7 +1350,7 @@ def cache_chained_hashes(block_size):
 
 def cache_aware_order(block_size, stream):
     """Batches of WAITING requests served in arrival order, or longest cached prefix first."""
-    tokens, results = CACHE_POOLS[len(CACHE_POOLS) // 2], {}
+    tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]
     print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
     print("   order            index                 hits   blocks evicted")
     for order, name in itertools.product(("arrival", "longest prefix"),
@@ -1395,11 +1361,7 @@ def cache_aware_order(block_size, stream):
             if order == "longest prefix":  # SGLang's lpm: the longest match first
                 batch = sorted(batch, key=lambda request: -pool.index.match(request[0])[1])
             serve(pool, batch)
-        results[order, name] = (pool.hits, pool.stats.evicted)
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
-    arrival, lpm = results["arrival", "hash"], results["longest prefix", "hash"]
-    print(f"   longest prefix first, against arrival (hash): {arrival[0]} -> {lpm[0]} hits, "
-          f"{arrival[1]} -> {lpm[1]} blocks evicted")
 
 
 # ---------------------------------------------------------------------------------------
