@@ -1374,15 +1374,14 @@ def cache_aware_order(block_size, stream):
 #
 # The cost model: OPT-13B on one A100-40GB, the paper's setting in 7.3 (its Table 1).
 #   KV per token: K and V x 40 layers x 5120 hidden x 2 bytes (fp16) = 800 KiB (paper: 800 KB)
-#   copies per block: vLLM v0 swaps layer by layer, K and V apart (worker/cache_engine.py
-#     calls swap_blocks per layer; csrc/cache_kernels.cu makes one cudaMemcpyAsync per block)
-#   PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 encoding / 8 bits = 31.5 GB/s each way
-#   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2:
-#     measured on its testbed of NVIDIA Hopper GPUs, not on an A100)
-#   prefill: 2 FLOPs per parameter per token, at the A100's 312 TFLOP/s fp16 peak times an
-#     efficiency: 100% is the lab's choice, the fastest recompute can be; 90% and 75% shown too
-#   a decode step reads the 26 GB of weights (Table 1) at the A100-40GB's 1,555 GB/s
-# PCIe is a peak; a decode step is a floor.
+#   copies per block: vLLM v0 copies K and V apart, layer by layer, a cudaMemcpyAsync a block
+#     (worker/cache_engine.py calls swap_blocks per layer; csrc/cache_kernels.cu)
+#   PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 encoding / 8 bits = 31.5 GB/s each way (a peak)
+#   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2,
+#     measured on NVIDIA Hopper GPUs, not an A100)
+#   prefill: 2 FLOPs per parameter per token at the A100's 312 TFLOP/s fp16 peak x an
+#     efficiency: 100% (the lab's choice: the fastest recompute can be), 90% and 75% shown too
+#   a decode step reads the 26 GB of weights (Table 1) at the A100-40GB's 1,555 GB/s (a floor)
 NUM_LAYERS, HIDDEN_SIZE, PARAMETERS = 40, 5120, 13e9
 PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8
 COPY_LATENCY_S = (5e-6, 7e-6)
@@ -1412,8 +1411,7 @@ class PreemptionStats:
 
 
 def next_token(req_id, position):
-    """The token request req_id produces at position: a deterministic stand-in for a model,
-    so a preempted request must end with exactly the tokens it would have had anyway."""
+    """A stand-in for a model, deterministic: a preempted request ends with the same tokens."""
     return (req_id * 7919 + position * 104729) % 32_000
 
 
@@ -1440,17 +1438,15 @@ class Scheduler:
     """Run requests to completion on a plain GPU pool, preempting when it runs out: the least
     recently stepped request (ties: the latest arrival, then the highest req_id), by
     "recompute" or by "swap" to a host pool of its block size (else ValueError). Each step:
-    resume preempted requests, oldest first, while they fit; only if none is left waiting,
-    admit arrived ones in (arrival, req_id) order while they fit; give every running request
-    one token, in req_id order. finished: req_id -> its tokens. Admissions and resumes keep a
-    1% margin free (NOTE: vLLM v0's watermark, int(0.01 * num_gpu_blocks); at least 1 here).
-    NOTE: vLLM v1 preempts the latest admitted (running.pop()) and always recomputes; the
-    least recently stepped victim is ours, so a resumed request is not the next victim."""
+    resume preempted requests, oldest first, while they fit; only if none waits, admit arrived
+    ones in (arrival, req_id) order while they fit; give each running request a token, in
+    req_id order. finished: req_id -> its tokens. Admissions and resumes keep 1% of the blocks
+    free (NOTE: vLLM v0's watermark; at least 1 here). NOTE: vLLM v1 preempts the latest
+    admitted and always recomputes; ours is not the request just resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
-            raise ValueError(f"policy must be 'recompute', or 'swap' with a host pool; got "
-                             f"{policy!r}")
+            raise ValueError(f"policy must be 'recompute', or 'swap' with a host pool: {policy!r}")
         self.gpu, self.host, self.policy = gpu, host, policy
         self.margin = max(1, gpu.num_blocks // 100)
         self.running, self.preempted, self.finished = {}, {}, {}  # running: seq, request, last step
@@ -1458,8 +1454,7 @@ class Scheduler:
 
     def run(self, requests):
         """Serve requests (distinct req_ids, prompts of token ids) until every one finishes;
-        return finished. ValueError up front, changing nothing, for a request that could never
-        fit the GPU pool's free blocks: it would wait for ever."""
+        return finished. ValueError up front for a request that could never fit: it would wait."""
         for request in requests:
             if not self._fits(len(request.prompt) + request.max_tokens):
                 raise ValueError(f"request {request.req_id} can never fit the free GPU blocks")
@@ -1545,8 +1540,7 @@ def draw_length(rng, mean, cap):
 
 
 def preemption_workload(seed):
-    """EVICT_REQUESTS requests with ShareGPT-like lengths, one arriving per step; drawn in
-    turn for each: its prompt's length, its prompt's tokens, its output's length."""
+    """EVICT_REQUESTS ShareGPT-like requests, one a step: prompt length, tokens, output length."""
     rng, requests = random.Random(seed), []
     for i in range(EVICT_REQUESTS):
         prompt = draw_length(rng, SHAREGPT[1], MAX_SEQ_LEN // 2)
@@ -1578,28 +1572,14 @@ def recompute_seconds(tokens, efficiency):
     return tokens / (PREFILL_TOKENS_PER_S * efficiency)
 
 
-def recovery_seconds(stats, block_size, copies, latency_s):
-    """(recompute, swap) of a recompute run's preemptions: prefill every restored token again,
-    or copy each victim's blocks out and back in. A swap run with a host pool as large as the
-    GPU's preempts the same victims and moves exactly their blocks (a test checks it)."""
-    return (recompute_seconds(stats.recomputed_tokens, PREFILL_EFFICIENCIES[0]),
-            2 * swap_seconds(stats.preempted_blocks, block_size, copies, latency_s))
-
-
 def demo_evict(block_size, seed):
-    """Recompute against swap at block_size (seed 5); the artifact's Fig. 19a microbenchmark
-    on the cost model; then end to end at EVICT_SIZES over EVICT_SEEDS seeds from 5 (or seed)."""
+    """Recompute against swap at block_size (seed 5, or seed); then Fig. 19a and Fig. 19b."""
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     requests = preemption_workload(first)
     print(f"== evict: preemption by recompute vs swap ({len(requests)} ShareGPT-like requests, "
           f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
-    print(f"cost model, OPT-13B on an A100-40GB (sources in the code): swap copies a block in "
-          f"{copies} pieces")
-    print(f"   (each layer's K and V, as vLLM v0), {min(COPY_LATENCY_S) * 1e6:g}-"
-          f"{max(COPY_LATENCY_S) * 1e6:g} us a copy, {PCIE_BYTES_PER_S / 1e9:.1f} GB/s; recompute "
-          f"{PREFILL_TOKENS_PER_S * PREFILL_EFFICIENCIES[0]:,.0f} tokens/s")
-    print(f"   ({PREFILL_EFFICIENCIES[0]:.0%} of the peak); a decode step {DECODE_STEP_S * 1e3:.1f}"
-          " ms (its floor)")
+    print(f"cost model (OPT-13B, A100; sources in the code): {copies} copies a block, "
+          f"{PCIE_BYTES_PER_S / 1e9:.1f} GB/s, a decode step {DECODE_STEP_S * 1e3:.1f} ms")
     print(f"1. block size {block_size}, a {HOST_KV_TOKENS // block_size * block_size}-token host "
           "pool; every request ends with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps")
@@ -1608,75 +1588,55 @@ def demo_evict(block_size, seed):
         print(f"   {policy:<10}  {st.preemptions:>11}  {st.recomputed_tokens:>10}  "
               f"{f'{st.swapped_out_blocks}/{st.swapped_in_blocks}':>14}  {st.host_fallbacks:>9}"
               f"  {st.steps:>5}")
-    print("2. vs the paper (7.3), quoted:")
-    print(textwrap.fill(f'"{PAPER_73}"', 96, initial_indent="   ", subsequent_indent="   "))
+    print(textwrap.fill(f'2. vs the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
     evict_fig_19a(copies, latency)
     evict_fig_19b(first, copies, latency)
 
 
 def evict_fig_19a(copies, latency):
     """Fig. 19a as its artifact measures it, on the cost model: SWAP_TOKENS tokens restored at
-    each block size. Returns {block size: (swap one way, recompute x 0.9)} at the first
-    efficiency."""
-    efficiency, rows = PREFILL_EFFICIENCIES[0], {}
-    print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size "
-          "(benchmark_swap.py, benchmark_recomp.py)")
-    print(f"   and plots recompute x 0.9 (plot_fig19_a.py); ours, ms, at {latency * 1e6:g} us a "
-          f"copy and {efficiency:.0%} prefill:")
-    print("   block   copies   swap out   swap in   in + out   recompute   x 0.9")
+    each block size, swap out and in against recompute x 0.9 at each prefill efficiency."""
+    recompute = {eff: 0.9 * recompute_seconds(SWAP_TOKENS, eff) for eff in PREFILL_EFFICIENCIES}
+    print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size (benchmark_swap.py), "
+          "recompute x 0.9")
+    print(f"   (plot_fig19_a.py): {recompute[1.0] * 1e3:.1f} ms here at 100% prefill. Swap at "
+          f"{latency * 1e6:g} us a copy, ms; recompute / swap:")
+    print("   block   copies   swap out (= in)   in + out" + "".join(
+        f"{eff:>7.0%} prefill" for eff in recompute))
     for size in EVICT_SIZES:
         one_way = swap_seconds(SWAP_TOKENS // size, size, copies, latency)
-        recompute = recompute_seconds(SWAP_TOKENS, efficiency)
-        rows[size] = (one_way, 0.9 * recompute)
-        print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {one_way * 1e3:>9.1f}  "
-              f"{one_way * 1e3:>8.1f}  {2 * one_way * 1e3:>9.1f}  {recompute * 1e3:>10.1f}  "
-              f"{0.9 * recompute * 1e3:>6.1f}")
-    worst = []  # per efficiency: recompute x 0.9 over swap in + out at its largest, and where
-    for eff in PREFILL_EFFICIENCIES:
-        ratio = {size: 0.9 * recompute_seconds(SWAP_TOKENS, eff) / (2 * swap_seconds(
-            SWAP_TOKENS // size, size, copies, max(COPY_LATENCY_S))) for size in EVICT_SIZES}
-        worst.append((eff, max(ratio.values()), max(ratio, key=ratio.get)))
-    print(textwrap.fill("recompute x 0.9 over swap in + out, at its largest (7 us a copy): " +
-                        ", ".join(f"{r:.2f}x at {eff:.0%} prefill (block {size})"
-                                  for eff, r, size in worst) + f"; so the quote's 20% becomes "
-                        f"{worst[0][1] - 1:.0%} to {worst[-1][1] - 1:.0%} here", 96,
-                        initial_indent="   ", subsequent_indent="   "))
-    return rows
+        ratios = [r / (2 * one_way) for r in recompute.values()]
+        print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {one_way * 1e3:>15.1f}  "
+              f"{2 * one_way * 1e3:>9.1f}" + "".join(f"{r:>14.2f}x" for r in ratios))
+    print(f"   with {size}-token blocks, where swap is cheapest, the quote's 20% becomes "
+          f"{min(ratios) - 1:.0%} to {max(ratios) - 1:.0%} here")
 
 
 def evict_fig_19b(first, copies, latency):
-    """Fig. 19b's quantity, end to end: recompute runs at each block size over EVICT_SEEDS
-    seeds, their recovery costed both ways, plus decode steps x DECODE_STEP_S."""
+    """Fig. 19b's quantity, end to end: each recompute run's decode steps x DECODE_STEP_S, plus
+    its restored tokens prefilled again, or its victims' blocks copied out and back in (a swap
+    run with a host pool as large as the GPU's preempts the same victims: a test checks it)."""
     seeds = range(first, first + EVICT_SEEDS)
-    runs = {(s, size): run_policy("recompute", size, preemption_workload(s), 0)
-            for s in seeds for size in EVICT_SIZES}
-    print(f"   end to end on our scheduler (Fig. 19b's quantity): recompute / swap, seeds "
-          f"{first}-{seeds[-1]};")
-    print(f"   recovery, ms, seed {first}")
+    print(f"   end to end (Fig. 19b's quantity) on our scheduler: the last column over seeds "
+          f"{first}-{seeds[-1]}, others seed {first}")
     print("   block  preemptions  restored tokens  recompute ms  swap ms  end to end")
-    medium, share = [], 0.0
+    gap = share = 0.0
     for size in EVICT_SIZES:
-        ratios = []
-        for s in seeds:
-            recompute, swap = recovery_seconds(runs[s, size], size, copies, latency)
-            decode = runs[s, size].steps * DECODE_STEP_S
-            ratios.append((decode + recompute) / (decode + swap))
-            if 16 <= size <= 64:
-                share = max(share, max(recompute, swap) / (decode + max(recompute, swap)))
-            if s == first:
-                cells = (runs[s, size].preemptions, runs[s, size].recomputed_tokens,
-                         recompute * 1e3, swap * 1e3)
-        medium += ratios if 16 <= size <= 64 else []
-        print(f"   {size:>5}  {cells[0]:>11}  {cells[1]:>15}  {cells[2]:>12.1f}  {cells[3]:>7.1f}"
-              f"  {min(ratios):.3f}-{max(ratios):.3f}x")
-    print(textwrap.fill(f"at 16-64 recompute and swap end to end differ by at most "
-                        f"{max(abs(r - 1) for r in medium):.1%}, recovery being at most "
-                        f"{share:.1%} of a run's time, the decode steps the rest. The paper "
-                        "served ShareGPT at 2.01 requests/s for 600 s on 15.7K KV slots (its "
-                        "fig19-b.sh, Table 1); ours, one arrival a step on "
-                        f"{GPU_KV_TOKENS:,} tokens", 96, initial_indent="   ",
+        runs = [run_policy("recompute", size, preemption_workload(s), 0) for s in seeds]
+        costs = [(st.steps * DECODE_STEP_S, recompute_seconds(st.recomputed_tokens, 1.0),
+                  2 * swap_seconds(st.preempted_blocks, size, copies, latency)) for st in runs]
+        ratios = [(decode + recompute) / (decode + swap) for decode, recompute, swap in costs]
+        if 16 <= size <= 64:
+            gap = max(gap, *(abs(r - 1) for r in ratios))
+            share = max(share, *(max(r, w) / (d + max(r, w)) for d, r, w in costs))
+        print(f"   {size:>5}  {runs[0].preemptions:>11}  {runs[0].recomputed_tokens:>15}  "
+              f"{costs[0][1] * 1e3:>12.1f}  {costs[0][2] * 1e3:>7.1f}  "
+              f"{min(ratios):.3f}-{max(ratios):.3f}x")
+    print(textwrap.fill(f"at 16-64 the two differ end to end by at most {gap:.1%}: recovery is "
+                        f"at most {share:.1%} of a run's time. The paper served ShareGPT at 2.01 "
+                        "requests/s for 600 s on 15.7K KV slots (fig19-b.sh, Table 1); ours, a "
+                        f"request a step on {GPU_KV_TOKENS:,} tokens", 96, initial_indent="   ",
                         subsequent_indent="   "))
-    return runs
 
 
 # ---------------------------------------------------------------------------------------
