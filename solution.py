@@ -122,10 +122,9 @@ def check_tokens(tokens):
 
 class KVCache:
     """The memory the blocks stand for: slots, one flat list; offset o of block b is slot
-    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). A slot holds a token id
-    as its "KV", so reads can be checked; None where nothing was written. Like GPU memory,
-    it is never cleared. Part 2's append writes a slot of slots directly. NOTE: vLLM makes its
-    KV tensor at start-up; grow adds a block's slots as the pool first hands it out."""
+    b * block_size + o (block_size 4: block 2, offset 1 -> slot 9). A slot holds a token id as
+    its "KV" (None: never written), never cleared; Part 2's append writes a slot of slots directly.
+    NOTE: vLLM makes its KV tensor at start-up; grow adds a block's slots on first hand-out."""
 
     def __init__(self, block_size):
         self.block_size = block_size
@@ -162,10 +161,8 @@ class BlockAllocator:
     Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is not an
     int (a bool is not); ValueError for one below 1 (n: below 0); ValueError for a block that
     is not 0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in
-    use; OutOfBlocksError when too few blocks are free.
-    NOTE: the state is public, as vLLM's BlockPool's free_block_queue and blocks are, for the
-    audit (Part 4) and the prefix cache (Part 6); vLLM queues every block at start-up,
-    next_unused makes a new pool O(1) whatever its size."""
+    use; OutOfBlocksError when too few blocks are free. NOTE: vLLM queues every block at
+    start-up; next_unused makes a new pool O(1) whatever its size."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -242,10 +239,7 @@ class BlockAllocator:
         return copy
 
     # The seam a prefix cache (Part 6) attaches through; a plain pool remembers nothing.
-    # share_cached_prefix: before a prompt is allocated, share its cached blocks (vLLM's
-    # get_computed_blocks); cache_blocks: blocks that filled (vLLM's cache_full_blocks);
-    # share_tail: the block a sharer of only its first tokens
-    # gets (Part 3); audit_kept: the free blocks a cache keeps aside, for the audit (Part 4).
+    # vLLM's names: get_computed_blocks for share_cached_prefix, cache_full_blocks for cache_blocks.
     def share_cached_prefix(self, token_ids):
         """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
         check_tokens(token_ids)
@@ -287,8 +281,7 @@ class BlockTable(list):
         self.block_size = block_size
 
     def slot(self, i):
-        """(physical block, offset) of token i; IndexError unless i is an int in 0..len(self) *
-        block_size - 1."""
+        """(block, offset) of token i, an int in 0..len(self) * block_size - 1 (else IndexError)."""
         if type(i) is not int or not 0 <= i < len(self) * self.block_size:
             raise IndexError(f"token {i!r} is not in the {len(self) * self.block_size}-slot table")
         return self[i // self.block_size], i % self.block_size
@@ -385,9 +378,8 @@ class Sequence:
         """Release every block, tail first (NOTE: as vLLM's free queue and nano-vllm do, so a
         prefix cache evicts a suffix before the prefix others are likelier to share)."""
         self._check_live()
-        pool, table = self.allocator, self.block_table
-        pool.free_blocks(reversed(table))
-        table.clear()
+        self.allocator.free_blocks(reversed(self.block_table))
+        self.block_table.clear()
         self.is_freed = True
 
     def _copy_last_block(self):
@@ -410,9 +402,8 @@ class Sequence:
 # Sharing costs one ref-count per block and copies nothing. A full block is never written
 # again; a shared, partly full last block would be, by whichever sharer writes first, so
 # append and extend copy a last block whose ref-count is above 1, however it came to be
-# shared (_copy_last_block): the only copy there is. NOTE: this is the paper's design and
-# vLLM v0's; vLLM v1 has no fork and never shares a partly full block (its n samples share
-# full blocks through the prefix cache of Part 6).
+# shared (_copy_last_block): the only copy there is. NOTE: the paper's design and vLLM v0's;
+# vLLM v1 has no fork and shares only full blocks, through its prefix cache (Part 6).
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence, type(src)(seq_id, pool) with no tokens, whose first num_tokens (default all)
@@ -423,8 +414,7 @@ def share_prefix(src, seq_id, num_tokens=None):
     0..len(src), or a freed src."""
     if not isinstance(src, Sequence):
         raise TypeError(f"src must be a Sequence, got {src!r}")
-    if src.is_freed:
-        raise ValueError(f"sequence {src.seq_id!r} was freed; it holds no blocks")
+    src._check_live()
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
@@ -452,9 +442,8 @@ def plural(n, noun, nouns=None):
 
 
 def audit(pool):
-    """The pool's own bookkeeping: num_used counts the blocks with a ref-count and num_free
-    the rest; each free block is listed once (given back, never used, or kept by a cache),
-    and never while in use."""
+    """The pool's own bookkeeping: num_used counts the blocks with a ref-count, num_free the
+    rest; each free block is listed once (given back, never used, kept by a cache), never in use."""
     expect(pool.num_used == len(pool.ref_cnt) and pool.num_free + pool.num_used ==
            pool.num_blocks, f"counts: num_used {pool.num_used}, num_free {pool.num_free}; "
            f"{len(pool.ref_cnt)} of the {pool.num_blocks} blocks hold a ref-count")
@@ -464,10 +453,8 @@ def audit(pool):
 
 
 def check_invariants(allocator, sequences):
-    """Raise AssertionError naming the first broken invariant, its message starting with
-    what broke: "counts" or "free list" (audit), "block count", "read-back", "ref-count !=
-    block-table references". sequences must include every live sequence on allocator, or
-    their references look like leaks."""
+    """Raise AssertionError naming the first broken invariant: "counts" or "free list" (audit),
+    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones."""
     audit(allocator)
     references = Counter({block: 0 for block in allocator.ref_cnt})  # a leak stays at 0
     for seq in (seq for seq in sequences if not seq.is_freed):
@@ -494,12 +481,11 @@ def random_tokens(rng, n, vocab=32_000):
 
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
-    """num_ops random operations against a plain-list model (seq_id -> its tokens), invariants
-    checked after each, a refused one (OutOfBlocksError) changing nothing (else AssertionError
-    "atomicity: ..."), then the pool whole; returns a Counter of what happened: "create",
-    "append", "extend", "fork", "share" (share_prefix), "raw share" (a pool.share of a
-    sequence's last block held while it appends), "free", "refused". A small vocab and
-    prompts cut from earlier ones make shared and cached prefixes common."""
+    """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
+    each; a refused one (OutOfBlocksError) must change nothing (else "atomicity: ..."). Returns
+    a Counter of "create", "append", "extend", "fork", "share" (share_prefix), "raw share" (the
+    pool shares a sequence's last block while it appends), "free" and "refused". A small vocab
+    and prompts cut from earlier ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     for step in range(num_ops):
@@ -550,9 +536,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
 
 
 def check_block_boundary(sizes):
-    """A new block exactly when the last one is full, by append and by prefill, at each size:
-    a sequence "grown" appends 1, 2, ...; after each, a sequence "prompt" of range(n) (n the
-    tokens grown has) is checked with it (check_invariants), then freed. Returns a label."""
+    """A new block exactly when the last is full, at each size; returns a label. "grown" appends
+    1, 2, ...; after each, check_invariants on it and "prompt", range(len(grown)), then freed."""
     for size in sizes:
         pool = BlockAllocator(64, size)
         grown = Sequence("grown", pool)
@@ -601,8 +586,7 @@ def block_map(allocator, sequences):
                                              for block in seq.block_table) for seq in sequences]
 
 
-# The four classic pitfalls: a line of the code above and the line that commits it (README's
-# "Break it" has you make the same edits in your own copy), each caught in sharing_scenario.
+# The four classic pitfalls, (name, method, a line of it, the bug): README's "Break it" edits.
 PITFALLS = [
     ("freeing a shared block", BlockAllocator.free_blocks, "if self.ref_cnt[block] == 0:",
      "if True:"),
@@ -677,12 +661,6 @@ def reserve_max_len(pool, tokens, max_len):
     return blocks
 
 
-def written_share(pool):
-    """The share of the slots of blocks in use that hold a token, read from the KV cache."""
-    slots = [token for block in pool.ref_cnt for token in pool.read(block)]
-    return sum(token is not None for token in slots) / len(slots)
-
-
 def demo_memory(block_size, seed):
     """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed)."""
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
@@ -694,7 +672,8 @@ def demo_memory(block_size, seed):
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
-    naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
+    naive_written, paged_written = (sum(t is not None for b in p.ref_cnt for t in p.read(b))
+                                    / (p.num_used * block_size) for p in (naive_pool, paged_pool))
     print(f"slots in use that hold a token: naive {naive_written:.1%} ({1 - naive_written:.1%} "
           f"reserved, never written), paged {paged_written:.1%}")
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} (a request "
@@ -719,10 +698,9 @@ def system_prompt_requests(pool, share, seed):
 
 
 def demo_sharing(block_size, seed):
-    """NUM_REQUESTS requests with and without share_prefix (seed 1), then a fork's copy: b =
-    a.fork('b') appends to a's partly full last block, and the line says "divergence forked
-    block" (at block size 1 a's blocks are full: "new block"; a write in place: "WROTE IN
-    PLACE"), with the block maps before and after."""
+    """NUM_REQUESTS requests with and without share_prefix (seed 1), then b = a.fork('b') appends
+    to a's partly full last block: the line says "divergence forked block" ("new block" if a's
+    blocks are full, "WROTE IN PLACE" if it wrote in place), with block maps before and after."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
                      for share in (False, True))
@@ -1645,8 +1623,6 @@ def evict_fig_19b(first, copies, latency):
 # n samples of one prompt, or k beams, share a long past. Forked, it is stored once and each
 # sequence pays where it diverges (and one copy of a shared last block, forked mid-block).
 # Block-table entries (logical blocks) against blocks in use (physical) measure the saving.
-# NOTE: vLLM v1 has neither fork nor beam search: its n samples share full blocks through
-# the prefix cache; beam search runs above it.
 
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper's Fig. 15
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in its Fig. 15
@@ -1707,11 +1683,8 @@ def beam_search(pool, prompt, width, output_len, rng):
 def serving_saving(dataset, kind, width, seed, block_size):
     """The saving of one serving run, the artifact's way: 1 - 1 / mean(L / P), L the block-table
     entries and P the blocks in use after each step, over the last two thirds of the steps (its
-    plot_fig15.py keeps 300-900 s of 900 s). Requests come faster than they are served: the
-    next is admitted once all fit the pool unshared (each table's entries, and a copy in
-    flight); its lengths drawn by draw_length from Random(seed) around dataset's means (the
-    prompt's, capped at MAX_SEQ_LEN // 2; each sample's output, or the beams' one, at the
-    rest); each step every group decodes a token; SERVING_LIFETIMES mean outputs of steps."""
+    plot_fig15.py keeps 300-900 s of 900 s). The next request is admitted once all fit the pool
+    unshared (each table's entries, and a copy in flight); each step every group decodes."""
     _, prompt_mean, output_mean = dataset
     rng, pool = random.Random(seed), BlockAllocator(SERVING_KV_TOKENS // block_size, block_size)
     groups, ratios, steps, ahead = {}, [], round(SERVING_LIFETIMES * output_mean), None
@@ -1742,7 +1715,8 @@ def serving_saving(dataset, kind, width, seed, block_size):
 
 
 def demo_beam(block_size, seed):
-    """Copies per fork, a beam search's block map, then demo_serving from seed 6 (or seed)."""
+    """Copies per fork, a beam search's block map, then the 6.3 table: each cell's saving for
+    seeds 6.. (or seed..) beside the paper's span, at SERVING_BLOCK_SIZE whatever block_size."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
     print(f"1. a prompt forked into {samples} samples that each decode 8 tokens:")
@@ -1760,12 +1734,6 @@ def demo_beam(block_size, seed):
     for beams in beam_search(pool, list(range(prompt_len)), width, steps, random.Random(7)):
         picture = block_map(pool, beams)
     print("\n".join(picture))
-    demo_serving(first)
-
-
-def demo_serving(first):
-    """The 6.3 table: each cell's saving for seeds first.., beside the paper's span, at the
-    artifact's block size (SERVING_BLOCK_SIZE), whatever the section's."""
     seeds = range(first, first + SHARING_SEEDS)
     print("3. memory saved by sharing vs the paper (6.3), quoted:")
     print(textwrap.fill(f'"{PAPER_63["quote"]}" Its artifact computes each as 1 - 1 / mean(L / P), '
@@ -1785,8 +1753,8 @@ def demo_serving(first):
                 print((f"   {dataset[0]:<9} {kind:<9} {width:>6}  " + "".join(
                     f"{saving:>9.1%}" for saving in savings) + "  " +
                     (f"{low:.1%}-{high:.1%}" if row == 0 else "")).rstrip())
-            spans.append((dataset[0], kind, min(map(min, cells)), max(map(max, cells))))
             spread = max(spread, max(max(c) - min(c) for c in cells))
+            spans.append((dataset[0], kind, min(map(min, cells)), max(map(max, cells))))
     print(textwrap.fill("ours span " + ", ".join(f"{low:.1%}-{high:.1%} ({name} {kind})" for
                                                  name, kind, low, high in spans) +
                         f"; a seed moves a cell by up to {spread * 100:.1f} points", 96,
@@ -1852,15 +1820,13 @@ def prefix_reuse_lost(block_size):
 def sweet_spot(fragmentation, budget):
     """Tables, copies and per-block work shrink as blocks grow, so grow them until the waste
     bites: the last size, going up, before fragmentation reaches budget (None if the first)."""
-    sizes = sorted(fragmentation)
-    fits = list(itertools.takewhile(lambda size: fragmentation[size] < budget, sizes))
+    fits = list(itertools.takewhile(lambda s: fragmentation[s] < budget, sorted(fragmentation)))
     return fits[-1] if len(fits) > 0 else None
 
 
 def demo_sweep(block_size, seed):
     """Prefix reuse lost; fragmentation, tables and fit by size, then the sweet spots at three
-    budgets, over SWEEP_SEEDS seeds from 8 (or seed), beside the paper's 7.2. It sweeps
-    SWEEP_SIZES, whatever block_size."""
+    budgets, over SWEEP_SEEDS seeds from 8 (or seed), beside the paper's 7.2; SWEEP_SIZES only."""
     first = 8 if seed is None else seed
     print("== sweep: block size against fragmentation, block-table size, capacity, prefix reuse ==")
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
@@ -1902,10 +1868,9 @@ def demo_sweep(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # Part 10. Benchmark: O(1) per operation, and admission against the hash
 # ---------------------------------------------------------------------------------------
-# vLLM calls its block manager for every token of every running sequence, so it must be
-# invisible: it moved its free queue to a linked list and its evictor from an O(n) scan
-# when the slow versions showed in latency. Here each operation is timed at pools of very
-# different sizes (flat rows are the point), and against the least work it could do.
+# vLLM calls its block manager for every token of every running sequence: it moved its free
+# queue to a linked list and its evictor off an O(n) scan when they showed in latency. Each
+# operation is timed at pools of very different sizes (flat rows: the point), against the least.
 
 BENCH_POOLS = (1_000, 100_000, 1_000_000)  # blocks
 BENCH_REPEATS = 15
@@ -1928,11 +1893,9 @@ def ns_per_op(benches, repeats):
 
 
 def bench_append(num_blocks, num_tokens, block_size, pool_class=BlockAllocator):
-    """Appends into a warm pool, whose blocks come back from the free list as in a server
-    that has run a while; a prefix-caching pool also hashes each block that fills."""
+    """Appends into a warm pool; a prefix-caching pool also hashes each block that fills."""
     pool, tokens = pool_class(num_blocks, block_size), list(range(num_tokens))
-    for block in pool.allocate_many(cdiv(num_tokens, block_size)):
-        pool.free(block)  # warm: the blocks come back from the free list
+    pool.free_blocks(pool.allocate_many(cdiv(num_tokens, block_size)))  # warm
     append = Sequence(0, pool).append
     return (lambda: [append(token) for token in tokens]), num_tokens
 
@@ -1973,13 +1936,11 @@ def bench_free(prompts, block_size, pool_class):
     """Free each of prompts' sequences, admitted beforehand, tail first: per block freed."""
     pool = pool_class(sum(cdiv(len(prompt), block_size) for prompt in prompts), block_size)
     sequences = [Sequence(i, pool, prompt) for i, prompt in enumerate(prompts)]
-    return (lambda: [seq.free() for seq in sequences]), sum(
-        len(seq.block_table) for seq in sequences)
+    return (lambda: [seq.free() for seq in sequences]), pool.num_blocks  # their tables' entries
 
 
 def bench_admission(num_blocks, prompts, block_size, floor=False):
-    """Admit prompts (each kept) on a warm prefix-caching pool; or the floor: only SHA-256 of
-    each full block's pickled (parent hash, token tuple), as vLLM hashes, and a look-up."""
+    """Admit prompts (each kept) on a warm prefix-caching pool; or the floor: SHA-256, a look-up."""
     ops = sum(len(prompt) // block_size for prompt in prompts)
     if floor:
         cached = {}
@@ -1988,13 +1949,11 @@ def bench_admission(num_blocks, prompts, block_size, floor=False):
                 parent = NONE_HASH
                 for k in range(len(prompt) // block_size):
                     pair = (parent, tuple(prompt[k * block_size:(k + 1) * block_size]))
-                    pickled = pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)
-                    parent = hashlib.sha256(pickled).digest()
+                    parent = hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
                     cached.get(parent)
         return run, ops
     pool = PrefixCachingAllocator(num_blocks, block_size)
-    for block in pool.allocate_many(num_blocks):  # warm: blocks come from the free list
-        pool.free(block)
+    pool.free_blocks(pool.allocate_many(num_blocks))  # warm: blocks come from the free list
     return (lambda: [Sequence(i, pool, prompt) for i, prompt in enumerate(prompts)]), ops
 
 
@@ -2029,10 +1988,9 @@ def demo_bench(block_size, seed):
                                      (bench_append, pools[0], tokens, size, PrefixCachingAllocator),
                                      (bench_bare_append, pools[0], tokens, size)], repeats)
     admission, floor, plain_free, cached_free = ns_per_op(  # short runs: more repeats
-        [(bench_admission, pools[0], prompts, size), (bench_admission, pools[0], prompts, size,
-                                                      True),
-         (bench_free, prompts, size, BlockAllocator),
-         (bench_free, prompts, size, PrefixCachingAllocator)], 4 * repeats)
+        [(bench_admission, pools[0], prompts, size, floor) for floor in (False, True)]
+        + [(bench_free, prompts, size, cls) for cls in (BlockAllocator, PrefixCachingAllocator)],
+        4 * repeats)
     print(f"2. against the least work, {platform.python_implementation()} "
           f"{platform.python_version()} (targets: the last three <= 2x, 2x, 1.5x)")
     print(f"   append {ours:.0f} ns/token; a bare loop (write the slot, pop a block at each "
@@ -2048,20 +2006,17 @@ def demo_bench(block_size, seed):
     pool.allocate_many(pools[-1])
     in_use = tracemalloc.get_traced_memory()[0] - idle
     tracemalloc.stop()
-    print(f"3. memory at {pools[-1]:,} blocks (tracemalloc), the KV store's {size} slots a block "
-          "included:")
+    print(f"3. memory at {pools[-1]:,} blocks (tracemalloc), {size} KV slots a block included:")
     print(f"   idle {idle:,} bytes; {in_use / pools[-1]:.0f} bytes a block in use")
 
 
 # ---------------------------------------------------------------------------------------
 # Part 11. Extension: a real trace, and online policies against the offline optimum
 # ---------------------------------------------------------------------------------------
-# The question a serving engineer brings: on my traffic, how big must the cache be, and
-# how far is LRU from the best any policy could do? Mooncake's FAST'25 traces
-# (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0) give, per request, an arrival
-# time, lengths, and one hash id per 512-token block of the prompt; equal ids mean an equal
-# prefix. This part replays them through PrefixCachingAllocator and Sequence, one request
-# at a time, under several policies and pool sizes, against Belady's offline optimum.
+# On my traffic, how big must the cache be, and how far is LRU from the best any policy could
+# do? Mooncake's FAST'25 traces (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0) give
+# per request an arrival time, lengths, and one hash id per 512-token prompt block (equal ids:
+# an equal prefix); replayed one at a time under several policies, against Belady's optimum.
 
 TRACE_ID_TOKENS = 512  # tokens each Mooncake hash id stands for
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -2115,16 +2070,13 @@ def trace_prompt(request, block_size):
     h * block_size + k; a partial last id (rem = input_length % 512 > 0) keeps
     min(block_size - 1, max(1, rem * block_size // 512)) of them, so it is never full. Example:
     block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full (tokens 28..31,
-    36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1 token: 12. A prefix cache
-    sees block-level reuse, so with room for everything the scale does not change which blocks
-    hit; under pressure the partial and decode blocks take room too, so hits move a little."""
+    36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1 token: 12. The scale
+    changes no hit with room for all; under pressure, partial and decode blocks move a few."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
-    tokens = list(itertools.chain.from_iterable(range(h * block_size, (h + 1) * block_size)
-                                                for h in request.hash_ids[:full]))
+    tokens = [h * block_size + k for h in request.hash_ids[:full] for k in range(block_size)]
     if rem > 0:
-        start = request.hash_ids[-1] * block_size
-        tokens += range(start, start + min(block_size - 1,
-                                           max(1, rem * block_size // TRACE_ID_TOKENS)))
+        keep = min(block_size - 1, max(1, rem * block_size // TRACE_ID_TOKENS))
+        tokens += [request.hash_ids[-1] * block_size + k for k in range(keep)]
     return tokens
 
 
@@ -2182,10 +2134,9 @@ class Lookahead(LRU):
 
 
 def trace_future(prompts, block_size):
-    """Each full block's tokens (a tuple) -> the numbers of the prompts using it, in order
-    (a prompt's number counts the non-empty prompts before it: the pool's clock). ValueError
-    if a block's tokens follow two different blocks: Lookahead takes them for their prefix,
-    as a Mooncake hash id stands for its whole prefix."""
+    """Each full block's tokens (a tuple) -> the numbers of the prompts using it, in order (a
+    number counts the non-empty prompts before it: the pool's clock). ValueError if a block's
+    tokens follow two different blocks: Lookahead, as a Mooncake id, means a whole prefix."""
     future, before = {}, {}  # tokens -> the tokens of the block before them (None: first)
     for number, prompt in enumerate(prompt for prompt in prompts if len(prompt) > 0):
         previous = None
@@ -2201,11 +2152,10 @@ def trace_future(prompts, block_size):
 def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, index="hash",
                  prompts=None):
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
-    index): admit the prompt (trace_prompt; prompts: all of them, if the caller has them), append
-    the decode tokens one at a time from a counter above every prompt token, free. policy "optimal"
-    is Lookahead(math.inf); a Lookahead without a future is replaced by a new one of its window
-    with this trace's (trace_future, which refuses ids that do not stand for one prefix).
-    Returns the pool."""
+    index): admit the prompt (trace_prompt, unless prompts gives them all), append the decode
+    tokens from a counter above every prompt token, free; returns the pool. "optimal" is
+    Lookahead(math.inf); a Lookahead without a future gets one of this trace's (trace_future,
+    which refuses ids that do not stand for one prefix)."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal":
@@ -2222,10 +2172,9 @@ TRACE_SIZES = 4  # pool sizes on a log scale, from the longest request to "never
 KNEE = 0.9       # the share of the ceiling where a hit-rate curve counts as flattened
 WINDOWS = (100, 300, 1000)  # prompts a Lookahead policy sees ahead, in the gap table
 THREE_M = 3_000_000 // TRACE_ID_TOKENS  # Mooncake's 3M-token local cache, in 512-token ids
-MOONCAKE_RATIO = {"conversation": 0.40, "tool&agent": 0.59, "synthetic": 0.66}  # FAST'25,
-# Table 2, "cache ratio" per trace; and its 5.3.1, quoted:
+MOONCAKE_RATIO = {"conversation": 0.40, "tool&agent": 0.59, "synthetic": 0.66}  # Table 2
 MOONCAKE_3M = ("a local cache with a 3M token capacity does not achieve 50% of the theoretical "
-               "maximum hit rate in most scenarios")
+               "maximum hit rate in most scenarios")  # FAST'25's 5.3.1, quoted
 
 
 def progress(line):
@@ -2327,9 +2276,6 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
              *(("-", "-") if lru_3m is None else (f"{lru_3m:.1%}", f"{lru_3m / ceiling:.0%}")))
     print(f"   {trace or name:<13}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (12, 16, 19, 16))))
     print("   (their ratio counts tokens; ours counts full blocks, a 512-token hash id each)")
-    if lru_3m is not None:
-        print(f"   here a 3M-token LRU cache reaches {lru_3m / ceiling:.0%} of the ceiling, the "
-              "hit rate no cache passes")
 
 
 # ---------------------------------------------------------------------------------------
