@@ -740,8 +740,7 @@ NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's nam
 
 
 def hash_block_tokens(parent_hash, token_ids):
-    """The block hash of a full block: the SHA-256 digest of the pickled pair (parent_hash,
-    or NONE_HASH if it is None; the tokens as a tuple, so a list hashes as a tuple does).
+    """A full block's hash: SHA-256 of the pickled (parent_hash or NONE_HASH, tuple(token_ids)).
     Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
     hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
     second block of tokens after another parent: its hash is not h1.
@@ -752,10 +751,9 @@ def hash_block_tokens(parent_hash, token_ids):
 
 
 class LRU:
-    """A block policy: it is told when a block is cached, freed (evictable: its last reference
-    is gone) or hit (in use again), and names the victim; now counts prompts admitted.
-    LRU keeps evictable (an OrderedDict) least recently freed first: vLLM's free queue,
-    whose head is its victim. len and `in` are the evictable blocks, for every policy."""
+    """A block policy: told when a block is cached, freed (evictable) or hit (in use again),
+    it names the victim; now counts prompts admitted; len and `in`: its evictable blocks.
+    LRU's evictable, least recently freed first, is vLLM's free queue: its head goes."""
 
     def __init__(self):
         self.evictable = OrderedDict()  # block -> None, least recently freed first
@@ -783,12 +781,10 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 
 class HashIndex:
-    """vLLM's index: block hash -> block, its victims named by a block policy (a name in
-    POLICIES, or a policy object). Invariant: cached maps each block hash to the one block
-    offered for it; block_hash knows the hash of every full block in use or cached.
-    What every index does for the pool: match a prompt; insert blocks that filled; hit a
-    block a prompt reuses; release a block whose last reference went (True: it stays,
-    evictable); evict(n) blocks or more; holds(block); len: its evictable blocks; check."""
+    """vLLM's index: cached, block hash -> the one block offered for it; block_hash, every full
+    block in use or cached -> its hash; victims named by policy (a POLICIES name, or an object).
+    Every index: match, insert, hit, release (True: it stays, evictable), evict(n) or more
+    blocks, holds(block), check; len: its evictable blocks."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
@@ -868,8 +864,7 @@ class PrefixCachingAllocator(BlockAllocator):
     """A block pool that remembers full blocks, so later prompts with the same tokens reuse
     them. index: a name in INDEXES (ValueError otherwise), made with policy; or an index
     object, which brings its own. Invariant: a block the index offers is in use or
-    evictable; an evictable block is free (counted in num_free) but kept until evicted.
-    hits, misses, hit_rate and num_cached (evictable blocks now) read stats and the index."""
+    evictable: free (counted in num_free; vLLM: in the free queue, hash and all) but kept."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
@@ -890,15 +885,14 @@ class PrefixCachingAllocator(BlockAllocator):
         checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1)."""
         blocks, reused, work = self.index.match(token_ids)
         check_tokens(token_ids[reused:])
-        size, full, ref_cnt = self.block_size, reused // self.block_size, self.ref_cnt
-        revived = [block not in ref_cnt for block in blocks[:full]]
-        self.ensure_free(cdiv(len(token_ids), size) - full + sum(revived))  # check, then act
-        self.stats.hits += full
-        self.stats.misses += len(token_ids) // size - full
+        revived = [block not in self.ref_cnt for block in blocks]
+        self.ensure_free(cdiv(len(token_ids), self.block_size) - len(blocks) + sum(revived))
+        self.stats.hits += len(blocks)
+        self.stats.misses += len(token_ids) // self.block_size - len(blocks)
         self.stats.prompts += 1
         self.stats.work += work
-        for block, was_free in zip(blocks[:full], revived):
-            ref_cnt[block] = ref_cnt.get(block, 0) + 1
+        for block, was_free in zip(blocks, revived):
+            self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
             self.index.hit(block, was_free, self.stats.prompts)
         return blocks, reused
 
@@ -906,16 +900,13 @@ class PrefixCachingAllocator(BlockAllocator):
         self.index.insert(table, tokens, first, last, self.stats.prompts)
 
     def share_tail(self, block):
-        # NOTE: a block the cache offers is never written, so whoever shares only its first
-        # tokens gets a private copy now (vLLM v1 never shares a partly covered block).
+        # NOTE: cached KV is never written: a partly shared block is copied (vLLM v1: never shared)
         return self.copy_block(block) if self.index.holds(block) else self.share(block)
 
     def audit_kept(self):  # the index checks itself; its evictable blocks count as free
         return self.index.check(self.ref_cnt)
 
-    def free_blocks(self, blocks):
-        """Drop a reference to each; a cached block that loses its last one stays cached,
-        evictable (vLLM: it joins the free queue, hash and all); any other is free."""
+    def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
         ref_cnt, release, now = self.ref_cnt, self.index.release, self.stats.prompts
         for block in blocks:
             if ref_cnt[block] > 1:
@@ -926,24 +917,20 @@ class PrefixCachingAllocator(BlockAllocator):
                     self.free_block_ids.append(block)
 
     def allocate(self):  # NOTE: uncached free blocks first; vLLM pops one queue of both
-        self.ensure_free(1)  # the check, before the eviction
-        self.make_room(1)
+        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks:
+            return self.allocate_many(1)[0]  # which evicts
         return super().allocate()
 
-    def allocate_many(self, n):
-        self.ensure_free(check_int(n, "n", 0))
-        self.make_room(n)  # one eviction for the lot, as SGLang's evict(num_tokens)
-        return super().allocate_many(n)
-
-    def make_room(self, n):
-        """Evict until n blocks are free and uncached (the check ensured that is possible)."""
+    def allocate_many(self, n):  # one eviction for the lot, as SGLang's evict(num_tokens)
+        self.ensure_free(check_int(n, "n", 0))  # the check, before the eviction
         short = n - len(self.free_block_ids) - (self.num_blocks - self.next_unused)
-        if short > 0:
+        if short > 0:  # too few free blocks that no cache entry holds
             freed = self.index.evict(short, self.stats.prompts)
             self.stats.evictions += 1
             self.stats.evicted += len(freed)
             self.stats.beyond += len(freed) - short
             self.free_block_ids.extend(reversed(freed))  # the first victim is handed out first
+        return [BlockAllocator.allocate(self) for _ in range(n)]
 
 
 # 6b. The radix tree ---------------------------------------------------------------------
@@ -1145,12 +1132,12 @@ class FIFO(LRU):
 
 class S3FIFO(LRU):
     """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim
-    comes from small while it holds >= 10% of the evictable blocks (or main is empty): its
-    head, unless hit twice, which moves to the main FIFO queue; an evicted block's tokens join
-    a ghost queue (as long as main, at least 1), and a block cached while remembered starts
-    in main. Main gives a block hit since another round, its hits (at most 3) less one.
-    NOTE: 10%, 2 hits and the cap are libCacheSim's (S3FIFO.c; its ghost holds 90% of the
-    cache). A policy never hears of hits on blocks in use."""
+    comes from small while it holds >= 10% of the evictable blocks (or main is empty): its head,
+    unless hit twice, which moves to the main FIFO queue; an evicted block's tokens join a ghost
+    queue (as long as main, at least 1), and a block cached while remembered starts in main.
+    Main gives a block hit since another round, its hits (at most 3) less one. NOTE: 10%, 2 hits
+    and the cap are libCacheSim's (S3FIFO.c; its ghost holds 90% of the cache). A policy never
+    hears of hits on blocks in use."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
@@ -1186,13 +1173,12 @@ class S3FIFO(LRU):
                     return block
                 self.in_main[block] = True  # hit twice while new: it moves to main
                 self.hits[block] = 0
-                self.main[block] = None
             else:
                 block = self.main.popitem(last=False)[0]
                 if self.hits[block] == 0:
                     return block
                 self.hits[block] -= 1
-                self.main[block] = None
+            self.main[block] = None  # main's tail
 
 
 POLICIES.update(fifo=FIFO, s3fifo=S3FIFO)  # NOTE: a leaf priority for the tree is FIFO's
@@ -1216,11 +1202,9 @@ VLLM_TIME_7 = [0, 1, 2, 7, 8, 9, 4, 3]  # "the allocated blocks are 0 (cached), 
 
 
 def chat_stream(seed):
-    """Chat requests, round robin over CHAT_CONVERSATIONS conversations: (prompt, answer)
-    pairs, each prompt the shared system prompt, the conversation so far, a new question."""
-    rng = random.Random(seed)
+    """(prompt, answer) pairs, round robin over conversations: system prompt, history, question."""
+    rng, stream = random.Random(seed), []
     histories = [random_tokens(rng, CHAT_SYSTEM_LEN)] * CHAT_CONVERSATIONS
-    stream = []
     for _ in range(CHAT_TURNS):
         for i in range(CHAT_CONVERSATIONS):
             prompt = histories[i] + random_tokens(rng, CHAT_QUESTION_LEN)
@@ -1257,16 +1241,24 @@ def demo_cache(block_size, seed):
           f"{CHAT_TURNS} turns, round robin), LRU")
     print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
-    cache_aware_order(block_size, stream)
+    tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]  # batches in arrival order, or longest match first
+    print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
+    print("   order            index                 hits   blocks evicted")
+    for order, name in itertools.product(("arrival", "longest prefix"), INDEXES):
+        pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
+        for first in range(0, len(stream), WAITING):
+            batch = stream[first:first + WAITING]
+            if order == "longest prefix":  # SGLang's lpm: the longest match first
+                batch = sorted(batch, key=lambda request: -pool.index.match(request[0])[1])
+            serve(pool, batch)
+        print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
 
 
 def print_two_seams(pools):
-    """A row per pool (hash and radix in turn): hit rate, evictions, the blocks they freed and
-    how many beyond the need; then one sentence on where the two differ."""
+    """A row per pool, hash and radix in turn; then one sentence on where the two differ."""
     print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
-    for pool in pools:
-        st, kind = pool.stats, next(name for name, cls in INDEXES.items()
-                                    if type(pool.index) is cls)
+    for pool, kind in zip(pools, itertools.cycle(INDEXES)):
+        st = pool.stats
         print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hit_rate:>8.1%}  {st.evictions:>9,}  "
               f"{st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
     hashed, radix = pools[0::2], pools[1::2]  # look-ups: hashes; children (and block compares)
@@ -1324,22 +1316,6 @@ def cache_chained_hashes(block_size):
           f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
     same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
     print(f"   c = X+Y+1 token: {plural(pool.hits - hits, 'hit')}, {c.block_table[:2]}: {same}")
-
-
-def cache_aware_order(block_size, stream):
-    """Batches of WAITING requests served in arrival order, or longest cached prefix first."""
-    tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]
-    print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
-    print("   order            index                 hits   blocks evicted")
-    for order, name in itertools.product(("arrival", "longest prefix"),
-                                         ("hash", "radix")):
-        pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
-        for first in range(0, len(stream), WAITING):
-            batch = stream[first:first + WAITING]
-            if order == "longest prefix":  # SGLang's lpm: the longest match first
-                batch = sorted(batch, key=lambda request: -pool.index.match(request[0])[1])
-            serve(pool, batch)
-        print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -1566,7 +1542,7 @@ def demo_evict(block_size, seed):
         print(f"   {policy:<10}  {st.preemptions:>11}  {st.recomputed_tokens:>10}  "
               f"{f'{st.swapped_out_blocks}/{st.swapped_in_blocks}':>14}  {st.host_fallbacks:>9}"
               f"  {st.steps:>5}")
-    print(textwrap.fill(f'2. vs the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
+    print(textwrap.fill(f'2. the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
     evict_fig_19a(copies, latency)
     evict_fig_19b(first, copies, latency)
 
