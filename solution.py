@@ -1321,28 +1321,22 @@ def cache_chained_hashes(block_size):
 # ---------------------------------------------------------------------------------------
 # Part 7. Extension: preemption by recompute or by swap
 # ---------------------------------------------------------------------------------------
-# Paging admits sequences before knowing how long they will grow, so a full pool is normal:
-# when a running sequence needs a block and none is free, the scheduler takes all the blocks
-# of another (the victim) and brings it back later. Recompute drops its KV and prefills it
-# again on resume; swap copies its blocks to a host pool and back: bytes against FLOPs.
+# Paging makes a full pool normal: a sequence that needs a block when none is free preempts
+# another (the victim), resumed later by recompute (prefilled again) or swap (via a host pool).
 #
 # The cost model: OPT-13B on one A100-40GB, the paper's setting in 7.3 (its Table 1).
-#   KV per token: K and V x 40 layers x 5120 hidden x 2 bytes (fp16) = 800 KiB (paper: 800 KB)
 #   copies per block: vLLM v0 copies K and V apart, layer by layer, a cudaMemcpyAsync a block
 #     (worker/cache_engine.py calls swap_blocks per layer; csrc/cache_kernels.cu)
 #   PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 encoding / 8 bits = 31.5 GB/s each way (a peak)
-#   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2,
-#     measured on NVIDIA Hopper GPUs, not an A100)
-#   prefill: 2 FLOPs per parameter per token at the A100's 312 TFLOP/s fp16 peak x an
-#     efficiency: 100% (the lab's choice: the fastest recompute can be), 90% and 75% shown too
-#   a decode step reads the 26 GB of weights (Table 1) at the A100-40GB's 1,555 GB/s (a floor)
+#   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2)
+#   prefill: 2 FLOPs per parameter per token at the A100's 312 TFLOP/s fp16 peak x an efficiency
 NUM_LAYERS, HIDDEN_SIZE, PARAMETERS = 40, 5120, 13e9
 PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8
-COPY_LATENCY_S = (5e-6, 7e-6)
-PREFILL_EFFICIENCIES = (1.0, 0.9, 0.75)  # the first is the one the tables use
+COPY_LATENCY_S = (5e-6, 7e-6)  # measured on NVIDIA Hopper GPUs, not an A100
+PREFILL_EFFICIENCIES = (1.0, 0.9, 0.75)  # ours; the first (the fastest recompute) in Fig. 19b
 PREFILL_TOKENS_PER_S = 312e12 / (2 * PARAMETERS)  # at the peak
-DECODE_STEP_S = 26e9 / 1555e9
-KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * HIDDEN_SIZE * 2
+DECODE_STEP_S = 26e9 / 1555e9  # Table 1's 26 GB of weights at the A100-40GB's 1,555 GB/s: a floor
+KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * HIDDEN_SIZE * 2  # K and V, fp16: 800 KiB (paper: 800 KB)
 
 
 @dataclass
@@ -1510,9 +1504,8 @@ def run_policy(policy, block_size, requests, host_tokens):
     scheduler = Scheduler(gpu, host, policy)
     finished = scheduler.run(requests)
     for r in requests:
-        expect(finished[r.req_id] == r.prompt + [next_token(r.req_id, p) for p in range(
-            len(r.prompt), len(r.prompt) + r.max_tokens)], f"{policy}: request {r.req_id} "
-            "finished with the wrong tokens")
+        want = r.prompt + [next_token(r.req_id, len(r.prompt) + k) for k in range(r.max_tokens)]
+        expect(finished[r.req_id] == want, f"{policy}: request {r.req_id} ends with wrong tokens")
     expect(gpu.num_used == host.num_used == 0, f"{policy}: a pool is not whole at the end")
     return scheduler.stats
 
@@ -1543,33 +1536,22 @@ def demo_evict(block_size, seed):
               f"{f'{st.swapped_out_blocks}/{st.swapped_in_blocks}':>14}  {st.host_fallbacks:>9}"
               f"  {st.steps:>5}")
     print(textwrap.fill(f'2. the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
-    evict_fig_19a(copies, latency)
-    evict_fig_19b(first, copies, latency)
-
-
-def evict_fig_19a(copies, latency):
-    """Fig. 19a as its artifact measures it, on the cost model: SWAP_TOKENS tokens restored at
-    each block size, swap out and in against recompute x 0.9 at each prefill efficiency."""
-    recompute = {eff: 0.9 * recompute_seconds(SWAP_TOKENS, eff) for eff in PREFILL_EFFICIENCIES}
+    restore = {eff: 0.9 * recompute_seconds(SWAP_TOKENS, eff) for eff in PREFILL_EFFICIENCIES}
     print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size (benchmark_swap.py), "
           "recompute x 0.9")
-    print(f"   (plot_fig19_a.py): {recompute[1.0] * 1e3:.1f} ms here at 100% prefill. Swap at "
-          f"{latency * 1e6:g} us a copy, ms; recompute / swap:")
+    print(f"   (plot_fig19_a.py): {restore[PREFILL_EFFICIENCIES[0]] * 1e3:.1f} ms here at "
+          f"{PREFILL_EFFICIENCIES[0]:.0%} prefill. Swap at {latency * 1e6:g} us a copy, ms; "
+          "recompute / swap:")
     print("   block   copies   swap out (= in)   in + out" + "".join(
-        f"{eff:>7.0%} prefill" for eff in recompute))
+        f"{eff:>7.0%} prefill" for eff in restore))
     for size in EVICT_SIZES:
         one_way = swap_seconds(SWAP_TOKENS // size, size, copies, latency)
-        ratios = [r / (2 * one_way) for r in recompute.values()]
+        ratios = [r / (2 * one_way) for r in restore.values()]
         print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {one_way * 1e3:>15.1f}  "
               f"{2 * one_way * 1e3:>9.1f}" + "".join(f"{r:>14.2f}x" for r in ratios))
     print(f"   with {size}-token blocks, where swap is cheapest, the quote's 20% becomes "
           f"{min(ratios) - 1:.0%} to {max(ratios) - 1:.0%} here")
-
-
-def evict_fig_19b(first, copies, latency):
-    """Fig. 19b's quantity, end to end: each recompute run's decode steps x DECODE_STEP_S, plus
-    its restored tokens prefilled again, or its victims' blocks copied out and back in (a swap
-    run with a host pool as large as the GPU's preempts the same victims: a test checks it)."""
+    # Fig. 19b: a swap run with a GPU-sized host pool preempts the recompute run's victims (tested)
     seeds = range(first, first + EVICT_SEEDS)
     print(f"   end to end (Fig. 19b's quantity) on our scheduler: the last column over seeds "
           f"{first}-{seeds[-1]}, others seed {first}")
@@ -1577,7 +1559,8 @@ def evict_fig_19b(first, copies, latency):
     gap = share = 0.0
     for size in EVICT_SIZES:
         runs = [run_policy("recompute", size, preemption_workload(s), 0) for s in seeds]
-        costs = [(st.steps * DECODE_STEP_S, recompute_seconds(st.recomputed_tokens, 1.0),
+        costs = [(st.steps * DECODE_STEP_S, recompute_seconds(st.recomputed_tokens,
+                                                               PREFILL_EFFICIENCIES[0]),
                   2 * swap_seconds(st.preempted_blocks, size, copies, latency)) for st in runs]
         ratios = [(decode + recompute) / (decode + swap) for decode, recompute, swap in costs]
         if 16 <= size <= 64:
@@ -1990,9 +1973,8 @@ def demo_bench(block_size, seed):
 # Part 11. Extension: a real trace, and online policies against the offline optimum
 # ---------------------------------------------------------------------------------------
 # On my traffic, how big must the cache be, and how far is LRU from the best any policy could
-# do? Mooncake's FAST'25 traces (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0) give
-# per request an arrival time, lengths, and one hash id per 512-token prompt block (equal ids:
-# an equal prefix); replayed one at a time under several policies, against Belady's optimum.
+# do? Mooncake's FAST'25 traces (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0),
+# replayed a request at a time under several policies and Belady's optimum.
 
 TRACE_ID_TOKENS = 512  # tokens each Mooncake hash id stands for
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -2010,14 +1992,10 @@ def load_trace(path, limit=None):
     """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines
     skipped; ValueError ("path:N: ...") for a line that is not a request, OSError if the
     file cannot be read."""
-    requests = []
     with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(requests) == limit:
-                break
-            if line.strip() != "":
-                requests.append(parse_trace_line(line, f"{path}:{number}"))
-    return requests
+        numbered = ((number, line) for number, line in enumerate(lines, 1) if line.strip() != "")
+        return [parse_trace_line(line, f"{path}:{number}")
+                for number, line in itertools.islice(numbered, limit)]  # read no further
 
 
 def parse_trace_line(line, where):
@@ -2042,12 +2020,11 @@ def parse_trace_line(line, where):
 
 
 def trace_prompt(request, block_size):
-    """The prompt the replay admits: each hash id h becomes one block of block_size tokens
-    h * block_size + k; a partial last id (rem = input_length % 512 > 0) keeps
-    min(block_size - 1, max(1, rem * block_size // 512)) of them, so it is never full. Example:
-    block_size 4, input_length 1100, hash_ids [7, 9, 3]: ids 7 and 9 are full (tokens 28..31,
-    36..39); 76 tokens remain, so id 3 keeps max(1, 76 * 4 // 512) = 1 token: 12. The scale
-    changes no hit with room for all; under pressure, partial and decode blocks move a few."""
+    """The prompt the replay admits: hash id h becomes the block_size tokens h * block_size + k; a
+    partial last id (rem = input_length % 512 > 0) keeps rem * block_size // 512 of them, at least
+    1, never a full block. Example: block size 4, input_length 1100, hash_ids [7, 9, 3]: 28..31,
+    36..39, and 76 tokens remain: id 3 keeps max(1, 76 * 4 // 512) = 1 token, 12. The scale changes
+    no hit with room for all; under pressure, partial and decode blocks move a few."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
     tokens = [h * block_size + k for h in request.hash_ids[:full] for k in range(block_size)]
     if rem > 0:
@@ -2130,14 +2107,12 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
     index): admit the prompt (trace_prompt, unless prompts gives them all), append the decode
     tokens from a counter above every prompt token, free; returns the pool. "optimal" is
-    Lookahead(math.inf); a Lookahead without a future gets one of this trace's (trace_future,
-    which refuses ids that do not stand for one prefix)."""
+    Lookahead(math.inf); a Lookahead without a future gets this trace's (trace_future)."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
-    if policy == "optimal":
-        policy = Lookahead(math.inf)
-    if isinstance(policy, Lookahead) and policy.future is None:
-        policy = Lookahead(policy.window, trace_future(prompts, block_size))
+    if policy == "optimal" or isinstance(policy, Lookahead) and policy.future is None:
+        window = math.inf if policy == "optimal" else policy.window
+        policy = Lookahead(window, trace_future(prompts, block_size))
     fresh = itertools.count(max((max(p) for p in prompts if len(p) > 0), default=-1) + 1)
     answers = [[next(fresh) for _ in range(trace_decode_len(r, block_size))] for r in requests]
     return serve(PrefixCachingAllocator(num_blocks, block_size, policy, index),
@@ -2168,8 +2143,7 @@ def demo_trace(path, limit, block_size, index="hash"):
     requests = load_trace(path, limit)
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
-    def replay(policy, size, with_index="hash"):
-        """The pool of one replay, each run once; a number is a Lookahead window."""
+    def replay(policy, size, with_index="hash"):  # each replay once; an int: a look-ahead
         if (policy, size, with_index) not in pools:
             progress(f"trace: replay {len(pools) + 1} ({'lookahead ' * (type(policy) is int)}"
                      f"{policy}, {with_index}, {size:,} blocks)")
@@ -2229,10 +2203,9 @@ def trace_gap(sizes, rate):
         return None if lead <= 0 else round((rate(policy, s) - rate("lru", s)) / lead, 2) + 0.0
     for policy in ("lru", "fifo", "s3fifo", *WINDOWS, "optimal"):
         label = f"lookahead {policy}" if type(policy) is int else policy
-        shares = ["   -" if recovered(policy, s) is None else f"{recovered(policy, s):>4.0%}"
-                  for s in sizes]
-        print(f"   {label:<14}" + "".join(f"{rate(policy, s):>10.1%} ({share})"
-                                           for s, share in zip(sizes, shares, strict=True)))
+        shares = {s: "   -" if recovered(policy, s) is None else f"{recovered(policy, s):>4.0%}"
+                  for s in sizes}
+        print(f"   {label:<14}" + "".join(f"{rate(policy, s):>10.1%} ({shares[s]})" for s in sizes))
     leads = [s for s in sizes if recovered("lru", s) is not None]
     if len(leads) > 0:
         s = leads[len(leads) // 2]
@@ -2472,17 +2445,15 @@ def knob_ranges(b):
     ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
     outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
-    return {"ACTUAL_LEN": (1, MAX_LEN), "POOL_TOKENS": (MAX_LEN + b, math.inf),
-            "CHAT_TURNS": (1, math.inf), "CHAT_CONVERSATIONS": (1, math.inf),
-            "CACHE_POOLS": (b, math.inf), "EVICT_REQUESTS": (1, math.inf),
-            "EVICT_SEEDS": (1, math.inf), "EVICT_SIZES": (1, SWAP_TOKENS),
-            "SWAP_TOKENS": (1, math.inf), "COPY_LATENCY_S": (0, 1),
+    counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
+              "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
+    return {**dict.fromkeys(counts, (1, math.inf)), "ACTUAL_LEN": (1, MAX_LEN),
+            "POOL_TOKENS": (MAX_LEN + b, math.inf), "CACHE_POOLS": (b, math.inf),
+            "EVICT_SIZES": (1, SWAP_TOKENS), "COPY_LATENCY_S": (0, 1),
             "PREFILL_EFFICIENCIES": (0.01, 1), "MAX_SEQ_LEN": (2, math.inf),
             "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
-            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SEEDS": (1, math.inf), "SWEEP_SIZES": (
-                1, MAX_BLOCK_SIZE), "SWEEP_SYSTEM_LEN": (1, math.inf), "FLEET_SIZES": (1, math.inf),
-            "BENCH_POOLS": (max(100, b), math.inf), "BENCH_REPEATS": (1, math.inf),
-            "FLEET_EFFICIENCIES": (0.01, 1)}
+            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SIZES": (1, MAX_BLOCK_SIZE),
+            "BENCH_POOLS": (max(100, b), math.inf), "FLEET_EFFICIENCIES": (0.01, 1)}
 
 
 CORE_STEPS = ("1", "2", "3", "4", "5")
@@ -2536,10 +2507,14 @@ def main(argv=None):
                         help="trace: the prefix cache's index (default hash)")
     args = parser.parse_args(argv)
     names = args.sections or list(CORE)
-    if names[0] == "starter":  # before any check: a starter's own parts may be empty
-        options = (args.block_size, args.seed, args.requests, args.index)
-        if len(names) != 3 or names[1] not in STEPS or options != (BLOCK_SIZE, None, None,
-                                                                    "hash"):
+    allowed = {"starter": [], "fleet": ["--requests"], "trace": ["--block-size", "--requests",
+               "--index"]}.get(names[0], ["--block-size", "--seed"])  # fleet: a block is an id
+    for flag in ("--block-size", "--seed", "--requests", "--index"):
+        dest = flag[2:].replace("-", "_")
+        if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"{names[0]} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
+    if names[0] == "starter":  # before the knob checks: a starter's own parts may be empty
+        if len(names) != 3 or names[1] not in STEPS:
             parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where "
                          "to write the lab; no options")
         try:
@@ -2548,15 +2523,8 @@ def main(argv=None):
             parser.error(str(error))
     if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
         parser.error(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
-    if (args.seed is not None and args.seed < 0) or (args.requests is not None
-                                                      and args.requests < 1):
+    if (args.seed or 0) < 0 or (args.requests is not None and args.requests < 1):
         parser.error("--seed must be >= 0 and --requests >= 1")
-    trace_options = args.requests is not None or args.index != "hash"
-    if (names[0] in ("trace", "fleet") and args.seed is not None) or (
-            names[0] not in ("trace", "fleet") and trace_options) or (
-            names[0] == "fleet" and (args.index != "hash" or args.block_size != BLOCK_SIZE)):
-        parser.error("--requests is trace's and fleet's, --index trace's; neither takes --seed, "
-                     "fleet no --block-size (a block is a hash id)")
     for name, (low, high) in knob_ranges(args.block_size).items():
         knob = globals()[name]
         values = knob if isinstance(knob, tuple) else (knob,)
@@ -2572,12 +2540,10 @@ def main(argv=None):
             return demo_trace(names[1], args.requests, args.block_size, args.index)
         except (OSError, ValueError) as error:  # a missing file, a malformed line
             parser.error(str(error))
-    if "all" in names and names != ["all"]:
-        parser.error("all stands alone: python solution.py all")
     names = [*CORE, *EXTENSIONS] if names == ["all"] else names
     unknown = [name for name in names if name not in every]
-    if len(unknown) > 0:
-        parser.error(f"unknown section {unknown[0]!r}; choose from {choices}")
+    if len(unknown) > 0:  # all, trace, fleet and starter stand alone
+        parser.error(f"no section {unknown[0]!r} here; choose from {choices} (all stands alone)")
     for i, name in enumerate(names):
         print("" if i == 0 else "\n", end="")
         try:
