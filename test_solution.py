@@ -1006,7 +1006,8 @@ class TestPart7Preemption:
         assert finished == {0: [0, 1, 2]}
 
     def test_the_evict_section_prints_fig_19a_on_the_cost_model_and_each_sizes_own_runs(
-            self, lab, capsys):
+            self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "EVICT_SEEDS", 1)  # seed 5's runs: the rows' cells
         lab.demo_evict(16, None)
         out = capsys.readouterr().out
         one_way = lab.swap_seconds(1, 256, 80, 5e-6)  # 256 tokens in one block of 256
@@ -1068,7 +1069,8 @@ class TestPart8Beams:
             assert pool.num_used <= sum(len(beam.block_table) for beam in beams)
         assert steps == 30 and pool.num_free == pool.num_blocks
 
-    def test_the_picture_shows_blocks_shared_across_beams(self, lab, capsys):
+    def test_the_picture_shows_blocks_shared_across_beams(self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "SERVING_LIFETIMES", 0.5)  # the serving runs, short
         lab.demo_beam(16, None)
         rows = capsys.readouterr().out.split("block size 4), [block:ref-count]\n")[1].split(
             "\n")[:4]
