@@ -414,7 +414,8 @@ def share_prefix(src, seq_id, num_tokens=None):
     0..len(src), or a freed src."""
     if not isinstance(src, Sequence):
         raise TypeError(f"src must be a Sequence, got {src!r}")
-    src._check_live()
+    if src.is_freed:
+        raise ValueError(f"sequence {src.seq_id!r} was freed; it holds no blocks")
     num_tokens = len(src) if num_tokens is None else check_int(num_tokens, "num_tokens", 0)
     if num_tokens > len(src):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
@@ -661,6 +662,12 @@ def reserve_max_len(pool, tokens, max_len):
     return blocks
 
 
+def written_share(pool):
+    """The share of the slots of blocks in use that hold a token, read from the KV cache."""
+    slots = [token for block in pool.ref_cnt for token in pool.read(block)]
+    return sum(token is not None for token in slots) / len(slots)
+
+
 def demo_memory(block_size, seed):
     """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed)."""
     rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
@@ -672,8 +679,7 @@ def demo_memory(block_size, seed):
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
-    naive_written, paged_written = (sum(t is not None for b in p.ref_cnt for t in p.read(b))
-                                    / (p.num_used * block_size) for p in (naive_pool, paged_pool))
+    naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
     print(f"slots in use that hold a token: naive {naive_written:.1%} ({1 - naive_written:.1%} "
           f"reserved, never written), paged {paged_written:.1%}")
     print(f"blocks left free: naive {naive_pool.num_free}, paged {paged_pool.num_free} (a request "
