@@ -997,13 +997,12 @@ class RadixIndex:
         a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2): an evictable leaf
         b = [1 2 3 4 7 8]          hits 0 1, locks them; [7 8] splits the node (_split_node):
                                    root -> [1 2 3 4] -> {[5 6], [7 8]}
-        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the one leaf that
-                                   b's lock (inc_lock_ref) leaves unprotected
+        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the leaf b's locks spare
         b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
     NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing.
     A block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
-    frees it). State: root; node_of, block -> node; leaves, a LazyHeap of the leaves with a
-    block nobody uses; evictable, their count. A lone pool.share of a cached block breaks it."""
+    frees it); a lone pool.share of a cached block breaks the locks. State: root; node_of, block
+    -> node; leaves, a LazyHeap of the leaves with a free block; evictable, free blocks held."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -1017,7 +1016,7 @@ class RadixIndex:
 
     def match(self, token_ids):
         """As HashIndex.match, in child look-ups; it compares tokens, so it checks them."""
-        check_tokens(token_ids)
+        token_ids = check_tokens(token_ids)  # a list: a tuple's slices never equal a node's
         size, node, blocks, work = self.block_size, self.root, [], 0
         for k in range(len(token_ids) // size):
             chunk, i = token_ids[k * size:(k + 1) * size], k - node.depth
@@ -1030,8 +1029,7 @@ class RadixIndex:
         return blocks, len(blocks) * size, work
 
     def insert(self, table, tokens, first, last, now):
-        """Place the full ones of blocks first..last-1 of table after block first - 1: a leaf
-        grows, or a new leaf hangs where they branch off (a split)."""
+        """Hang the full ones of blocks first..last-1 of table after block first - 1 (a split)."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
@@ -1086,8 +1084,7 @@ class RadixIndex:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """SGLang's evict: n blocks or more from leaves, lowest priority first, each whole but its
-        blocks in use; a parent left childless is a leaf then."""
+        """SGLang's evict: n or more blocks, whole leaves, lowest priority first (not in use)."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
