@@ -783,11 +783,10 @@ class TestPart6bRadixTree:
         with pytest.raises(AssertionError):
             lab.audit(pool)
 
-    @pytest.mark.parametrize("index", ["hash", "radix"])
-    def test_a_tuple_prompt_matches_what_its_list_matches(self, lab, index):
-        pool = caching(lab, 8, 2, index=index)
+    def test_a_tuple_prompt_matches_what_its_list_matches(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
         lab.Sequence("a", pool, range(8)).free()
-        assert pool.share_cached_prefix(tuple(range(6)))[1] == 6
+        assert pool.share_cached_prefix(tuple(range(6)))[1] == 6  # as the hash chain's
 
     def test_the_work_of_admission_counts_the_children_looked_up(self, lab):
         pool = caching(lab, 8, 4, index="radix")
