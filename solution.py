@@ -161,8 +161,8 @@ class BlockAllocator:
     Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is not an
     int (a bool is not); ValueError for one below 1 (n: below 0); ValueError for a block that
     is not 0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in
-    use; OutOfBlocksError when too few blocks are free. NOTE: vLLM queues every block at
-    start-up; next_unused makes a new pool O(1) whatever its size."""
+    use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every
+    block in its free_block_queue at start-up; next_unused makes a new pool O(1) at any size."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -888,7 +888,8 @@ class PrefixCachingAllocator(BlockAllocator):
         """Share the prompt's cached blocks once there is room for the rest (a revived block
         leaves num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
         = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are
-        checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1)."""
+        checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1) to
+        compute the last logits; this lab reuses every block it finds."""
         blocks, reused, work = self.index.match(token_ids)
         check_tokens(token_ids[reused:])
         revived = [block not in self.ref_cnt for block in blocks]
@@ -980,7 +981,8 @@ class LazyHeap:
 
 class RadixNode:
     """A run of blocks: tokens, blocks, children (by their first block's tokens), parent, depth
-    (blocks above), lock_ref (its blocks in use: its first ones), last_access, created, number."""
+    (blocks above), lock_ref (its blocks in use: its first ones), last_access and created (the
+    pool's clock), number (a tie-break)."""
 
     def __init__(self, parent, depth, now, number):
         self.parent, self.depth, self.tokens, self.blocks, self.children = parent, depth, [], [], {}
@@ -997,12 +999,13 @@ class RadixIndex:
         a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2): an evictable leaf
         b = [1 2 3 4 7 8]          hits 0 1, locks them; [7 8] splits the node (_split_node):
                                    root -> [1 2 3 4] -> {[5 6], [7 8]}
-        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the leaf b's locks spare
+        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the one leaf that
+                                   b's locks (inc_lock_ref) leave unprotected
         b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
     NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing.
     A block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
     frees it); a lone pool.share of a cached block breaks the locks. State: root; node_of, block
-    -> node; leaves, a LazyHeap of the leaves with a free block; evictable, free blocks held."""
+    -> node; leaves, a LazyHeap of the leaves with a free block; evictable (evictable_size_)."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -1029,7 +1032,8 @@ class RadixIndex:
         return blocks, len(blocks) * size, work
 
     def insert(self, table, tokens, first, last, now):
-        """Hang the full ones of blocks first..last-1 of table after block first - 1 (a split)."""
+        """Hang the full ones of blocks first..last-1 of table after block first - 1: a leaf
+        grows, or a new leaf hangs where they branch off (splitting a node if inside it)."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
@@ -1075,7 +1079,7 @@ class RadixIndex:
         return self.holds(block)
 
     def update(self, node, locks=0):
-        """Lock locks more of node's blocks; it is a candidate while a leaf with a free block."""
+        """Add locks (+ or -) to node's; a candidate exactly while a leaf with a free block."""
         node.lock_ref += locks
         self.evictable -= locks
         if node is not self.root and len(node.children) == 0 and node.lock_ref < len(node.blocks):
@@ -1084,7 +1088,8 @@ class RadixIndex:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """SGLang's evict: n or more blocks, whole leaves, lowest priority first (not in use)."""
+        """SGLang's evict: n or more blocks from leaves, lowest priority first, each whole but for
+        its blocks in use (SGLang never evicts a locked leaf); a childless parent is a leaf then."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
@@ -1107,6 +1112,7 @@ class RadixIndex:
         evictable = [block for block in self.node_of if block not in in_use]
         expect(len(evictable) == self.evictable, "radix: evictable blocks miscounted")
         return evictable
+
 
 INDEXES["radix"] = RadixIndex
 
@@ -1244,10 +1250,10 @@ def demo_cache(block_size, seed):
           f"{CHAT_TURNS} turns, round robin), LRU")
     print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
-    tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]  # batches in arrival order, or longest match first
+    tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]  # a pool under pressure
     print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
     print("   order            index                 hits   blocks evicted")
-    for order, name in itertools.product(("arrival", "longest prefix"), INDEXES):
+    for order, name in itertools.product(("arrival", "longest prefix"), INDEXES):  # batches
         pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
         for first in range(0, len(stream), WAITING):
             batch = stream[first:first + WAITING]
@@ -1259,6 +1265,7 @@ def demo_cache(block_size, seed):
 
 def print_two_seams(pools):
     """A row per pool, hash and radix in turn; then one sentence on where the two differ."""
+    print("   look-ups: hashes computed (hash), children visited (radix)")
     print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
         st = pool.stats
@@ -1393,7 +1400,8 @@ class Scheduler:
     ones in (arrival, req_id) order while they fit; give each running request a token, in
     req_id order. finished: req_id -> its tokens. Admissions and resumes keep 1% of the blocks
     free (NOTE: vLLM v0's watermark; at least 1 here). NOTE: vLLM v1 preempts the latest
-    admitted and always recomputes; ours is not the request just resumed."""
+    admitted (running.pop()) and always recomputes; the least recently stepped victim is ours,
+    so a request just resumed is not the next victim."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
@@ -1528,8 +1536,11 @@ def demo_evict(block_size, seed):
     requests = preemption_workload(first)
     print(f"== evict: preemption by recompute vs swap ({len(requests)} ShareGPT-like requests, "
           f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
-    print(f"cost model (OPT-13B, A100; sources in the code): {copies} copies a block, "
-          f"{PCIE_BYTES_PER_S / 1e9:.1f} GB/s, a decode step {DECODE_STEP_S * 1e3:.1f} ms")
+    low, high = (t * 1e6 for t in COPY_LATENCY_S)
+    print(f"cost model, OPT-13B on an A100-40GB (sources in the code): a block is {copies} copies,")
+    print(f"   {low:g}-{high:g} us each, {PCIE_BYTES_PER_S / 1e9:.1f} GB/s; prefill "
+          f"{PREFILL_TOKENS_PER_S:,.0f} tokens/s at the peak; a decode step "
+          f"{DECODE_STEP_S * 1e3:.1f} ms")
     print(f"1. block size {block_size}, a {HOST_KV_TOKENS // block_size * block_size}-token host "
           "pool; every request ends with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps")
@@ -1540,11 +1551,10 @@ def demo_evict(block_size, seed):
               f"  {st.steps:>5}")
     print(textwrap.fill(f'2. the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
     restore = {eff: 0.9 * recompute_seconds(SWAP_TOKENS, eff) for eff in PREFILL_EFFICIENCIES}
-    print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size (benchmark_swap.py), "
-          "recompute x 0.9")
-    print(f"   (plot_fig19_a.py): {restore[PREFILL_EFFICIENCIES[0]] * 1e3:.1f} ms here at "
-          f"{PREFILL_EFFICIENCIES[0]:.0%} prefill. Swap at {latency * 1e6:g} us a copy, ms; "
-          "recompute / swap:")
+    print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size (benchmark_swap.py) "
+          "and plots recompute")
+    print(f"   x 0.9 (plot_fig19_a.py): here {restore[PREFILL_EFFICIENCIES[0]] * 1e3:.1f} ms at "
+          f"{PREFILL_EFFICIENCIES[0]:.0%} prefill; swap, in ms at {latency * 1e6:g} us a copy:")
     print("   block   copies   swap out (= in)   in + out" + "".join(
         f"{eff:>7.0%} prefill" for eff in restore))
     for size in EVICT_SIZES:
@@ -1552,12 +1562,15 @@ def demo_evict(block_size, seed):
         ratios = [r / (2 * one_way) for r in restore.values()]
         print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {one_way * 1e3:>15.1f}  "
               f"{2 * one_way * 1e3:>9.1f}" + "".join(f"{r:>14.2f}x" for r in ratios))
-    print(f"   with {size}-token blocks, where swap is cheapest, the quote's 20% becomes "
-          f"{min(ratios) - 1:.0%} to {max(ratios) - 1:.0%} here")
+    big = max(EVICT_SIZES)  # swap is cheapest in the largest blocks
+    over = [r / (2 * swap_seconds(SWAP_TOKENS // big, big, copies, t)) - 1
+            for t in COPY_LATENCY_S for r in restore.values()]
+    print(f"   in {big}-token blocks (swap at its cheapest), at {low:g}-{high:g} us a copy, the "
+          f"quote's 20% is {min(over):.0%} to {max(over):.0%} here")
     # Fig. 19b: a swap run with a GPU-sized host pool preempts the recompute run's victims (tested)
     seeds = range(first, first + EVICT_SEEDS)
-    print(f"   end to end (Fig. 19b's quantity) on our scheduler: the last column over seeds "
-          f"{first}-{seeds[-1]}, others seed {first}")
+    print(f"   end to end on our scheduler (Fig. 19b's quantity): last column seeds "
+          f"{first}-{seeds[-1]}, the others seed {first}")
     print("   block  preemptions  restored tokens  recompute ms  swap ms  end to end")
     gap = share = 0.0
     for size in EVICT_SIZES:
@@ -1585,6 +1598,8 @@ def demo_evict(block_size, seed):
 # n samples of one prompt, or k beams, share a long past. Forked, it is stored once and each
 # sequence pays where it diverges (and one copy of a shared last block, forked mid-block).
 # Block-table entries (logical blocks) against blocks in use (physical) measure the saving.
+# NOTE: vLLM v1 has neither fork nor beam search: its n samples share full blocks through
+# the prefix cache; beam search runs above it.
 
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper's Fig. 15
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in its Fig. 15
@@ -1832,7 +1847,8 @@ def demo_sweep(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # vLLM calls its block manager for every token of every running sequence: it moved its free
 # queue to a linked list and its evictor off an O(n) scan when they showed in latency. Each
-# operation is timed at pools of very different sizes (flat rows: the point), against the least.
+# operation is timed at pools of very different sizes (flat rows: the point), and against the
+# least work it could do.
 
 BENCH_POOLS = (1_000, 100_000, 1_000_000)  # blocks
 BENCH_REPEATS = 15
@@ -1950,7 +1966,7 @@ def demo_bench(block_size, seed):
                                      (bench_append, pools[0], tokens, size, PrefixCachingAllocator),
                                      (bench_bare_append, pools[0], tokens, size)], repeats)
     admission, floor, plain_free, cached_free = ns_per_op(  # short runs: more repeats
-        [(bench_admission, pools[0], prompts, size, floor) for floor in (False, True)]
+        [(bench_admission, pools[0], prompts, size, at_floor) for at_floor in (False, True)]
         + [(bench_free, prompts, size, cls) for cls in (BlockAllocator, PrefixCachingAllocator)],
         4 * repeats)
     print(f"2. against the least work, {platform.python_implementation()} "
@@ -1975,9 +1991,10 @@ def demo_bench(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # Part 11. Extension: a real trace, and online policies against the offline optimum
 # ---------------------------------------------------------------------------------------
-# On my traffic, how big must the cache be, and how far is LRU from the best any policy could
-# do? Mooncake's FAST'25 traces (kvcache-ai/Mooncake, FAST25-release/traces/, Apache-2.0),
-# replayed a request at a time under several policies and Belady's optimum.
+# A serving engineer asks: on my traffic, how big must the cache be, and how far is LRU from
+# the best any policy could do? Mooncake's FAST'25 traces (kvcache-ai/Mooncake, FAST25-release/
+# traces/, Apache-2.0) give one hash id per 512-token prompt block, equal ids an equal prefix;
+# replayed a request at a time under several policies and Belady's offline optimum.
 
 TRACE_ID_TOKENS = 512  # tokens each Mooncake hash id stands for
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -2024,10 +2041,11 @@ def parse_trace_line(line, where):
 
 def trace_prompt(request, block_size):
     """The prompt the replay admits: hash id h becomes the block_size tokens h * block_size + k; a
-    partial last id (rem = input_length % 512 > 0) keeps rem * block_size // 512 of them, at least
-    1, never a full block. Example: block size 4, input_length 1100, hash_ids [7, 9, 3]: 28..31,
-    36..39, and 76 tokens remain: id 3 keeps max(1, 76 * 4 // 512) = 1 token, 12. The scale changes
-    no hit with room for all; under pressure, partial and decode blocks move a few."""
+    partial last id (rem = input_length % 512 > 0) keeps min(block_size - 1, max(1, rem *
+    block_size // 512)) of them, never a full block. Example: block size 4, input_length 1100,
+    hash_ids [7, 9, 3]: 28..31, 36..39, and 76 tokens remain: id 3 keeps max(1, 76 * 4 // 512) = 1
+    token, 12. The scale changes no hit with room for all; under pressure, partial and decode
+    blocks move a few."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
     tokens = [h * block_size + k for h in request.hash_ids[:full] for k in range(block_size)]
     if rem > 0:
@@ -2110,7 +2128,8 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
     """Replay requests in order on a fresh PrefixCachingAllocator(num_blocks, block_size, policy,
     index): admit the prompt (trace_prompt, unless prompts gives them all), append the decode
     tokens from a counter above every prompt token, free; returns the pool. "optimal" is
-    Lookahead(math.inf); a Lookahead without a future gets this trace's (trace_future)."""
+    Lookahead(math.inf); a Lookahead without a future is replaced by one of its window with this
+    trace's (trace_future: ValueError for ids that do not stand for one prefix)."""
     if prompts is None:
         prompts = [trace_prompt(request, block_size) for request in requests]
     if policy == "optimal" or isinstance(policy, Lookahead) and policy.future is None:
@@ -2423,13 +2442,15 @@ def demo_fleet(path, limit):
     print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "
           "quoted")
     print("   quantity           local   global   global / local   Fig. 10, this trace")
+    ratios = []
     for row, (label, name, form) in enumerate((("hit rate", "hit_rate", ".1%"),
                                                ("prefill s/req", "prefill_seconds", ".2f"))):
         mine, pool = getattr(local, name), getattr(pooled, name)
         paper = "-" if trace is None else f"{MOONCAKE_GLOBAL[trace][row]:.2f}x"
-        print(f"   {label:<15} {mine:>8{form}} {pool:>8{form}} {pool / mine:>15.2f}x {paper:>19}")
-    print(f"   here one global pool reuses {pooled.hit_rate / local.hit_rate:.2f}x the blocks "
-          f"local caches do, and needs {pooled.prefill_seconds / local.prefill_seconds:.2f}x")
+        ratios.append(f"{pool / mine:.2f}x" if mine > 0 else "-")  # a few requests: no hit
+        print(f"   {label:<15} {mine:>8{form}} {pool:>8{form}} {ratios[-1]:>16} {paper:>19}")
+    print(f"   here one global pool reuses {ratios[0]} the blocks local caches do, and needs "
+          f"{ratios[1]}")
     print("   their prefill time (our local caches are already routed to, by Algorithm 1)")
 
 
@@ -2515,7 +2536,8 @@ def main(argv=None):
     for flag in ("--block-size", "--seed", "--requests", "--index"):
         dest = flag[2:].replace("-", "_")
         if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
-            parser.error(f"{names[0]} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
+            parser.error(f"{names[0] if args.sections else 'the default run'} takes no {flag}; "
+                         f"its options: {', '.join(allowed) or 'none'}")
     if names[0] == "starter":  # before the knob checks: a starter's own parts may be empty
         if len(names) != 3 or names[1] not in STEPS:
             parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where "
