@@ -13,6 +13,7 @@ import gc
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -1410,6 +1411,15 @@ class TestPart12Fleet:
         for instance in run.instances:
             lab.check_invariants(instance.pool, [])
         assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "local", "global"}
+
+    def test_a_trace_with_no_local_hit_prints_no_global_over_local_ratio(self, lab, tmp_path,
+                                                                          capsys):
+        path = tmp_path / "three.jsonl"  # three prompts, no id shared: nothing can hit
+        path.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 1024,
+                                            "output_length": 8, "hash_ids": [2 * i, 2 * i + 1]})
+                                + "\n" for i in range(3)))
+        lab.demo_fleet(str(path), None)
+        assert re.search(r"^   hit rate +0\.0% +0\.0% +- ", capsys.readouterr().out, re.MULTILINE)
 
     @needs_traces
     def test_the_first_1000_conversation_requests_replay(self, lab):
