@@ -981,41 +981,40 @@ class LazyHeap:
 
 class RadixNode:
     """A run of blocks: tokens, blocks, children (by their first block's tokens), parent, depth
-    (blocks above), lock_ref (its blocks in use: its first ones), last_access and created (the
-    pool's clock), number (a tie-break)."""
+    (blocks above), lock_ref (its blocks in use: its first ones), last_access (the pool's clock),
+    id (SGLang's: nodes are numbered as made, so an id is also when a node was made)."""
+    ids = itertools.count()
 
-    def __init__(self, parent, depth, now, number):
+    def __init__(self, parent, depth, now):
         self.parent, self.depth, self.tokens, self.blocks, self.children = parent, depth, [], [], {}
-        self.lock_ref, self.last_access, self.created, self.number = 0, now, now, number
+        self.lock_ref, self.last_access, self.id = 0, now, next(RadixNode.ids)
 
 
 PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py: the leaf of
-              "fifo": lambda node: node.created}     # lowest priority goes first
+              "fifo": lambda node: node.id}          # lowest priority goes first
 
 
 class RadixIndex:
     """SGLang's index: a radix tree of cached blocks whose leaves go whole, lowest priority
     first (a name in PRIORITIES, else ValueError). Example, block_size 2, 6 blocks, LRU:
-        a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2): an evictable leaf
-        b = [1 2 3 4 7 8]          hits 0 1, locks them; [7 8] splits the node (_split_node):
-                                   root -> [1 2 3 4] -> {[5 6], [7 8]}
-        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the one leaf that
-                                   b's locks (inc_lock_ref) leave unprotected
+        a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2), an evictable leaf
+        b = [1 2 3 4 7 8]          hits 0 1, locks them (inc_lock_ref); [7 8] splits the node
+                                   (_split_node): root -> [1 2 3 4] -> {[5 6], [7 8]}
+        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unlocked leaf
         b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
-    NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing.
-    A block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
+    NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing. A
+    block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
     frees it); a lone pool.share of a cached block breaks the locks. State: root; node_of, block
-    -> node; leaves, a LazyHeap of the leaves with a free block; evictable (evictable_size_)."""
+    -> node; leaves, a LazyHeap of the leaves with a free block; locked (protected_size_)."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
             raise ValueError(f"a leaf priority is one of {', '.join(PRIORITIES)}, got {policy!r}")
-        self.block_size, self.policy, self.numbers = block_size, policy, itertools.count()
-        self.root = RadixNode(None, 0, 0, next(self.numbers))
-        self.node_of, self.leaves, self.evictable = {}, LazyHeap(), 0
+        self.block_size, self.policy, self.root = block_size, policy, RadixNode(None, 0, 0)
+        self.node_of, self.leaves, self.locked = {}, LazyHeap(), 0
 
-    def __len__(self):
-        return self.evictable
+    def __len__(self):  # SGLang's evictable_size_
+        return len(self.node_of) - self.locked
 
     def match(self, token_ids):
         """As HashIndex.match, in child look-ups; it compares tokens, so it checks them."""
@@ -1024,8 +1023,7 @@ class RadixIndex:
         for k in range(len(token_ids) // size):
             chunk, i = token_ids[k * size:(k + 1) * size], k - node.depth
             if i == len(node.blocks):  # at the end of a node: the child that starts so
-                work += 1
-                node, i = node.children.get(tuple(chunk)), 0
+                node, i, work = node.children.get(tuple(chunk)), 0, work + 1
             if node is None or node.tokens[i * size:(i + 1) * size] != chunk:
                 break
             blocks.append(node.blocks[i])
@@ -1044,25 +1042,22 @@ class RadixIndex:
         if i < len(node.blocks) or tuple(chunk) in node.children:
             return  # the tree holds these tokens in another block
         if len(node.children) > 0 or node is self.root:  # else a leaf: it grows
-            child = RadixNode(node, node.depth + len(node.blocks), now, next(self.numbers))
-            node.children[tuple(chunk)] = node = child
+            node.children[tuple(chunk)] = node = RadixNode(node, node.depth + len(node.blocks), now)
         node.tokens += tokens[first * size:last * size]
         node.blocks += table[first:last]
-        node.lock_ref += last - first  # every block inserted is in use
         node.last_access = now
         self.node_of.update(dict.fromkeys(table[first:last], node))
-        self.update(node)
+        self.update(node, last - first)  # every block inserted is in use
 
     def split(self, node, i):
         """SGLang's _split_node: a new parent takes node's blocks 0..i-1, and their locks."""
-        size = self.block_size
-        head = RadixNode(node.parent, node.depth, node.created, next(self.numbers))
+        size, head = self.block_size, RadixNode(node.parent, node.depth, node.last_access)
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
-        head.lock_ref, head.last_access = min(node.lock_ref, i), node.last_access
         node.parent.children[tuple(node.tokens[:size])] = head
         head.children[tuple(node.tokens[i * size:(i + 1) * size])] = node
         del node.tokens[:i * size], node.blocks[:i]
-        node.parent, node.depth, node.lock_ref = head, node.depth + i, node.lock_ref - head.lock_ref
+        head.lock_ref, node.lock_ref = min(node.lock_ref, i), max(0, node.lock_ref - i)
+        node.parent, node.depth = head, node.depth + i
         self.node_of.update(dict.fromkeys(head.blocks, head))
         return head
 
@@ -1078,18 +1073,16 @@ class RadixIndex:
             self.update(self.node_of[block], -1)
         return self.holds(block)
 
-    def update(self, node, locks=0):
-        """Add locks (+ or -) to node's; a candidate exactly while a leaf with a free block."""
+    def update(self, node, locks=0):  # add locks (+ or -); a candidate: a leaf with a free block
         node.lock_ref += locks
-        self.evictable -= locks
-        if node is not self.root and len(node.children) == 0 and node.lock_ref < len(node.blocks):
-            self.leaves.push(node, (PRIORITIES[self.policy](node), node.number))
+        self.locked += locks
+        if len(node.children) == 0 and node.lock_ref < len(node.blocks):  # never the root
+            self.leaves.push(node, (PRIORITIES[self.policy](node), node.id))
         else:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """SGLang's evict: n or more blocks from leaves, lowest priority first, each whole but for
-        its blocks in use (SGLang never evicts a locked leaf); a childless parent is a leaf then."""
+        """SGLang's evict: the lowest-priority leaves till n blocks are free; locked blocks stay."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
@@ -1100,7 +1093,6 @@ class RadixIndex:
             del node.blocks[node.lock_ref:], node.tokens[node.lock_ref * self.block_size:]
         for block in freed:
             del self.node_of[block]
-        self.evictable -= len(freed)
         return freed
 
     def check(self, in_use):  # lock_ref and the candidates against in_use; the evictable
@@ -1110,7 +1102,7 @@ class RadixIndex:
                 node in self.leaves) == (len(node.children) == 0 and not all(used)),
                 "radix: a node's lock_ref or candidacy disagrees with its blocks in use")
         evictable = [block for block in self.node_of if block not in in_use]
-        expect(len(evictable) == self.evictable, "radix: evictable blocks miscounted")
+        expect(len(evictable) == len(self), "radix: evictable blocks miscounted")
         return evictable
 
 

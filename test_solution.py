@@ -697,8 +697,8 @@ def brute_evict(index, n, in_use):
             nodes += node.children.values()
         leaf = min((node for node in nodes[1:] if len(node.children) == 0
                     and any(block not in in_use for block in node.blocks)),
-                   key=lambda node: (node.created if index.policy == "fifo" else node.last_access,
-                                     node.number))
+                   key=lambda node: (node.id if index.policy == "fifo" else node.last_access,
+                                     node.id))
         keep = sum(block in in_use for block in leaf.blocks)
         freed += leaf.blocks[keep:]
         del leaf.blocks[keep:]
