@@ -1329,14 +1329,12 @@ def cache_chained_hashes(block_size):
 # The cost model: OPT-13B on one A100-40GB, the paper's setting in 7.3 (its Table 1).
 #   copies per block: vLLM v0 copies K and V apart, layer by layer, a cudaMemcpyAsync a block
 #     (worker/cache_engine.py calls swap_blocks per layer; csrc/cache_kernels.cu)
-#   PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 encoding / 8 bits = 31.5 GB/s each way (a peak)
 #   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2)
-#   prefill: 2 FLOPs per parameter per token at the A100's 312 TFLOP/s fp16 peak x an efficiency
 NUM_LAYERS, HIDDEN_SIZE, PARAMETERS = 40, 5120, 13e9
-PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8
+PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8  # PCIe 4.0 x16 each way (a peak), 128b/130b encoding
 COPY_LATENCY_S = (5e-6, 7e-6)  # measured on NVIDIA Hopper GPUs, not an A100
 PREFILL_EFFICIENCIES = (1.0, 0.9, 0.75)  # ours; the first (the fastest recompute) in Fig. 19b
-PREFILL_TOKENS_PER_S = 312e12 / (2 * PARAMETERS)  # at the peak
+PREFILL_TOKENS_PER_S = 312e12 / (2 * PARAMETERS)  # A100 fp16 peak, 2 FLOPs a parameter a token
 DECODE_STEP_S = 26e9 / 1555e9  # Table 1's 26 GB of weights at the A100-40GB's 1,555 GB/s: a floor
 KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * HIDDEN_SIZE * 2  # K and V, fp16: 800 KiB (paper: 800 KB)
 
@@ -1482,6 +1480,7 @@ PAPER_73 = ("recomputation is more efficient when the block size is small, while
             "more efficient when the block size is large, though recomputation overhead is "
             "never higher than 20% of swapping's latency. For medium block sizes from 16 to "
             "64, the two methods exhibit comparable end-to-end performance.")
+WRAP = textwrap.TextWrapper(96, initial_indent="   ", subsequent_indent="   ")  # under a table
 
 
 def draw_length(rng, mean, cap):
@@ -1525,8 +1524,7 @@ def recompute_seconds(tokens, efficiency):
 def demo_evict(block_size, seed):
     """Recompute against swap at block_size (seed 5, or seed); then Fig. 19a and Fig. 19b."""
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
-    requests = preemption_workload(first)
-    print(f"== evict: preemption by recompute vs swap ({len(requests)} ShareGPT-like requests, "
+    print(f"== evict: preemption by recompute vs swap ({EVICT_REQUESTS} ShareGPT-like requests, "
           f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
     low, high = (t * 1e6 for t in COPY_LATENCY_S)
     print(f"cost model, OPT-13B on an A100-40GB (sources in the code): a block is {copies} copies,")
@@ -1537,7 +1535,7 @@ def demo_evict(block_size, seed):
           "pool; every request ends with exactly its tokens")
     print("   policy      preemptions  recomputed  swapped out/in  host full  steps")
     for policy in ("recompute", "swap"):
-        st = run_policy(policy, block_size, requests, HOST_KV_TOKENS)
+        st = run_policy(policy, block_size, preemption_workload(first), HOST_KV_TOKENS)
         print(f"   {policy:<10}  {st.preemptions:>11}  {st.recomputed_tokens:>10}  "
               f"{f'{st.swapped_out_blocks}/{st.swapped_in_blocks}':>14}  {st.host_fallbacks:>9}"
               f"  {st.steps:>5}")
@@ -1550,10 +1548,9 @@ def demo_evict(block_size, seed):
     print("   block   copies   swap out (= in)   in + out" + "".join(
         f"{eff:>7.0%} prefill" for eff in restore))
     for size in EVICT_SIZES:
-        one_way = swap_seconds(SWAP_TOKENS // size, size, copies, latency)
-        ratios = [r / (2 * one_way) for r in restore.values()]
-        print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {one_way * 1e3:>15.1f}  "
-              f"{2 * one_way * 1e3:>9.1f}" + "".join(f"{r:>14.2f}x" for r in ratios))
+        both = 2 * swap_seconds(SWAP_TOKENS // size, size, copies, latency)  # out and in
+        print(f"   {size:>5}  {SWAP_TOKENS // size * copies:>7,}  {both / 2 * 1e3:>15.1f}  "
+              f"{both * 1e3:>9.1f}" + "".join(f"{r / both:>14.2f}x" for r in restore.values()))
     big = max(EVICT_SIZES)  # swap is cheapest in the largest blocks
     over = [r / (2 * swap_seconds(SWAP_TOKENS // big, big, copies, t)) - 1
             for t in COPY_LATENCY_S for r in restore.values()]
@@ -1577,11 +1574,10 @@ def demo_evict(block_size, seed):
         print(f"   {size:>5}  {runs[0].preemptions:>11}  {runs[0].recomputed_tokens:>15}  "
               f"{costs[0][1] * 1e3:>12.1f}  {costs[0][2] * 1e3:>7.1f}  "
               f"{min(ratios):.3f}-{max(ratios):.3f}x")
-    print(textwrap.fill(f"at 16-64 the two differ end to end by at most {gap:.1%}: recovery is "
-                        f"at most {share:.1%} of a run's time. The paper served ShareGPT at 2.01 "
-                        "requests/s for 600 s on 15.7K KV slots (fig19-b.sh, Table 1); ours, a "
-                        f"request a step on {GPU_KV_TOKENS:,} tokens", 96, initial_indent="   ",
-                        subsequent_indent="   "))
+    print(WRAP.fill(f"at 16-64 the two differ end to end by at most {gap:.1%}: recovery is at "
+                    f"most {share:.1%} of a run's time. The paper served ShareGPT at 2.01 "
+                    "requests/s for 600 s on 15.7K KV slots (fig19-b.sh, Table 1); ours, a "
+                    f"request a step on {GPU_KV_TOKENS:,} tokens"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1596,16 +1592,12 @@ def demo_evict(block_size, seed):
 NUM_SAMPLES = (2, 4, 6)  # parallel samples n, as in the paper's Fig. 15
 BEAM_WIDTHS = (2, 4, 6)  # beam widths k, as in its Fig. 15
 SHARING_SEEDS = 3        # serving runs per cell, from seed 6 (or --seed)
-SERVING_KV_TOKENS = 15_700  # tokens of KV in a serving run's pool: the paper's OPT-13B on an
-# A100-40GB (its Table 1: 15.7K slots); the largest request, 6 x 2048 tokens, fits
+SERVING_KV_TOKENS = 15_700  # Table 1's 15.7K KV slots (OPT-13B, A100-40GB): 6 x 2048 tokens fit
 SERVING_BLOCK_SIZE = 16  # tokens a block in a serving run: the artifact's (fig15.sh)
 SERVING_LIFETIMES = 3     # a serving run's steps, in mean output lengths
-PAPER_63 = {  # the paper's 6.3, quoted
-    "quote": "We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 55.2% on "
-             "beam search. In the same experiments with the ShareGPT dataset, we saw 16.2% - "
-             "30.5% memory saving on parallel sampling and 44.3% - 66.3% on beam search.",
-    ("Alpaca", "parallel"): (0.061, 0.098), ("Alpaca", "beam"): (0.376, 0.552),
-    ("ShareGPT", "parallel"): (0.162, 0.305), ("ShareGPT", "beam"): (0.443, 0.663)}
+PAPER_63 = ("We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 55.2% on beam "
+            "search. In the same experiments with the ShareGPT dataset, we saw 16.2% - 30.5% "
+            "memory saving on parallel sampling and 44.3% - 66.3% on beam search.")
 
 
 def parallel_sampling(pool, prompt, outputs, rng):
@@ -1633,17 +1625,14 @@ def beam_search(pool, prompt, width, output_len, rng):
     for _ in range(output_len):
         best = sorted(((score + math.log(1 - rng.random()), i) for i, (score, _) in
                        enumerate(beams) for _ in range(width)), reverse=True)[:width]
-        chosen = Counter(i for _, i in best)
+        last = {i: k for k, (_, i) in enumerate(best)}  # a parent goes on itself at its last pick
         for i, (_, seq) in enumerate(beams):
-            if i not in chosen:
+            if i not in last:
                 seq.free()  # pruned: the blocks it shares stay with the other beams
-        survivors = []
-        for score, i in best:  # a parent's extra survivors fork; the parent goes on itself
-            chosen[i] -= 1
-            survivors.append((score, beams[i][1].fork(next(ids)) if chosen[i] > 0 else beams[i][1]))
-        for _, seq in survivors:  # forks first, then writes: copy-on-write where needed
+        beams = [(score, beams[i][1] if last[i] == k else beams[i][1].fork(next(ids)))
+                 for k, (score, i) in enumerate(best)]  # its other picks are forks of it
+        for _, seq in beams:  # forks first, then writes: copy-on-write where needed
             seq.append(rng.randrange(32_000))
-        beams = survivors
         yield [seq for _, seq in beams]
     for _, seq in beams:
         seq.free()
@@ -1705,29 +1694,27 @@ def demo_beam(block_size, seed):
     print("\n".join(picture))
     seeds = range(first, first + SHARING_SEEDS)
     print("3. memory saved by sharing vs the paper (6.3), quoted:")
-    print(textwrap.fill(f'"{PAPER_63["quote"]}" Its artifact computes each as 1 - 1 / mean(L / P), '
-                        "L and P the logical and physical blocks in use at each step of a "
-                        f"serving run (plot_fig15.py); ours the same, on a {SERVING_KV_TOKENS:,}-"
-                        f"token pool kept full, {SERVING_BLOCK_SIZE} tokens a block as its:", 96,
-                        initial_indent="   ", subsequent_indent="   "))
+    print(WRAP.fill(f'"{PAPER_63}" Its artifact computes each as 1 - 1 / mean(L / P), L and P '
+                    "the logical and physical blocks in use at each step of a serving run "
+                    f"(plot_fig15.py); ours the same, on a {SERVING_KV_TOKENS:,}-token pool kept "
+                    f"full, {SERVING_BLOCK_SIZE} tokens a block as its:"))
     print("   dataset   kind      n or k  " + "".join(f"seed {s:<4}" for s in seeds)
           + " paper, over n or k")
     spans, spread = [], 0.0
+    quoted = iter(re.findall(r"(\S+%) - (\S+%)", PAPER_63))  # its spans, in our rows' order
     for dataset in (ALPACA, SHAREGPT):
         for kind, widths in (("parallel", NUM_SAMPLES), ("beam", BEAM_WIDTHS)):
             cells = [[serving_saving(dataset, kind, width, s, SERVING_BLOCK_SIZE) for s in seeds]
                      for width in widths]
-            low, high = PAPER_63[dataset[0], kind]
+            paper = "-".join(next(quoted))
             for row, (width, savings) in enumerate(zip(widths, cells, strict=True)):
-                print((f"   {dataset[0]:<9} {kind:<9} {width:>6}  " + "".join(
-                    f"{saving:>9.1%}" for saving in savings) + "  " +
-                    (f"{low:.1%}-{high:.1%}" if row == 0 else "")).rstrip())
+                print(f"   {dataset[0]:<9} {kind:<9} {width:>6}  " + "".join(
+                    f"{saving:>9.1%}" for saving in savings) + ("  " + paper if row == 0 else ""))
             spread = max(spread, max(max(c) - min(c) for c in cells))
             spans.append((dataset[0], kind, min(map(min, cells)), max(map(max, cells))))
-    print(textwrap.fill("ours span " + ", ".join(f"{low:.1%}-{high:.1%} ({name} {kind})" for
-                                                 name, kind, low, high in spans) +
-                        f"; a seed moves a cell by up to {spread * 100:.1f} points", 96,
-                        initial_indent="   ", subsequent_indent="   "))
+    print(WRAP.fill("ours span " + ", ".join(f"{low:.1%}-{high:.1%} ({name} {kind})" for
+                                             name, kind, low, high in spans) +
+                    f"; a seed moves a cell by up to {spread * 100:.1f} points"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1826,7 +1813,7 @@ def demo_sweep(block_size, seed):
         print((f"   {name + '-like':<17}" + "".join(
             f"{', '.join(map(str, spots[name, budget])):<21}" for budget in budgets)).rstrip())
     print("vs the paper (7.2), quoted:")
-    print(textwrap.fill(f'"{PAPER_72}"', 96, initial_indent="   ", subsequent_indent="   "))
+    print(WRAP.fill(f'"{PAPER_72}"'))
     print(f"   at our {MAX_FRAGMENTATION:.0%} the sweet spots are " + "; ".join(
         f"{', '.join(map(str, spots[name, MAX_FRAGMENTATION]))} ({name}-like)"
         for name in (ALPACA[0], SHAREGPT[0])) + "; the paper")
