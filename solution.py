@@ -944,8 +944,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
 class LazyHeap:
     """Items by distinct keys: push(item, key), discard(item), pop() the least (peek: its (key,
-    item)). An old entry stays in the heap, skipped when popped; the heap is rebuilt when most
-    are old, so it holds at most two per item (heapq has no decrease-key)."""
+    item)). Old entries stay till they are half the heap, skipped when popped (no decrease-key)."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -1132,13 +1131,12 @@ class FIFO(LRU):
 
 
 class S3FIFO(LRU):
-    """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim
-    comes from small while it holds >= 10% of the evictable blocks (or main is empty): its head,
-    unless hit twice, which moves to the main FIFO queue; an evicted block's tokens join a ghost
-    queue (as long as main, at least 1), and a block cached while remembered starts in main.
-    Main gives a block hit since another round, its hits (at most 3) less one. NOTE: 10%, 2 hits
-    and the cap are libCacheSim's (S3FIFO.c; its ghost holds 90% of the cache). A policy never
-    hears of hits on blocks in use."""
+    """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim comes
+    from small while it holds >= 10% of the evictable blocks: its head, unless hit twice, which
+    moves to the main FIFO queue; an evicted block's tokens join a ghost queue (as long as main, at
+    least 1), and a block cached while remembered starts in main. Main gives a block hit since
+    another round, its hits (at most 3) less one. NOTE: 10%, 2 hits and the cap are libCacheSim's
+    (S3FIFO.c; its ghost holds 90% of the cache). A policy never hears of hits on blocks in use."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
@@ -1152,8 +1150,7 @@ class S3FIFO(LRU):
 
     def cached(self, block, token_ids):
         self.content[block] = tuple(token_ids)
-        self.in_main[block] = self.content[block] in self.ghost  # remembered: straight to main
-        self.ghost.pop(self.content[block], None)
+        self.in_main[block] = self.ghost.pop(self.content[block], False)  # remembered: to main
         self.hits[block] = 0
 
     def freed(self, block, now):
@@ -1165,10 +1162,10 @@ class S3FIFO(LRU):
 
     def victim(self, now):
         while True:  # ends: each pass evicts, or moves a block to main, or lowers a count
-            if len(self.small) > 0 and (len(self.small) >= 0.1 * len(self) or len(self.main) == 0):
+            if len(self.small) >= 0.1 * len(self):  # always, when main is empty
                 block = self.small.popitem(last=False)[0]
                 if self.hits[block] < 2:
-                    self.ghost[self.content[block]] = None
+                    self.ghost[self.content[block]] = True
                     while len(self.ghost) > max(1, len(self.main)):
                         self.ghost.popitem(last=False)
                     return block
@@ -1229,14 +1226,24 @@ def demo_cache(block_size, seed):
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
     explicit = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
-    cached = system_prompt_requests(PrefixCachingAllocator(num_blocks, block_size), False, seed)
+    auto = system_prompt_requests(PrefixCachingAllocator(num_blocks, block_size), False, seed)
     print(f"1. the {NUM_REQUESTS} requests of the sharing demo, as plain Sequence(...) calls:")
     print(f"   explicit share_prefix : {explicit.num_used:>4} blocks used")
-    print(f"   automatic cache       : {cached.num_used:>4} blocks used   hit rate "
-          f"{cached.hit_rate:.1%} ({cached.hits} of {cached.hits + cached.misses} full prompt "
-          "blocks)")
+    print(f"   automatic cache       : {auto.num_used:>4} blocks used   hit rate "
+          f"{auto.hit_rate:.1%} ({auto.hits} of {auto.hits + auto.misses} full prompt blocks)")
     cache_vllm_example()
-    cache_chained_hashes(block_size)
+    pool = PrefixCachingAllocator(16, block_size)  # 3., chained hashes
+    x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
+    a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
+    chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
+    c = Sequence("c", pool, x + y + [7])
+    print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
+    print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
+          "block cache would give b a's KV")
+    print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
+          f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
+    same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
+    print(f"   c = X+Y+1 token: {plural(pool.hits, 'hit')}, {c.block_table[:2]}: {same}")
     stream = chat_stream(seed)
     print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
           f"{CHAT_TURNS} turns, round robin), LRU")
@@ -1249,9 +1256,8 @@ def demo_cache(block_size, seed):
         pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
         for first in range(0, len(stream), WAITING):
             batch = stream[first:first + WAITING]
-            if order == "longest prefix":  # SGLang's lpm: the longest match first
-                batch = sorted(batch, key=lambda request: -pool.index.match(request[0])[1])
-            serve(pool, batch)
+            serve(pool, batch if order == "arrival" else  # SGLang's lpm: the longest match first
+                  sorted(batch, key=lambda request: -pool.index.match(request[0])[1]))
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
 
 
@@ -1260,16 +1266,15 @@ def print_two_seams(pools):
     print("   look-ups: hashes computed (hash), children visited (radix)")
     print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
-        st = pool.stats
+        st = pool.stats  # look-ups: hashes; children (and block compares)
         print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hit_rate:>8.1%}  {st.evictions:>9,}  "
               f"{st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
-    hashed, radix = pools[0::2], pools[1::2]  # look-ups: hashes; children (and block compares)
-    beyond, freed = (sum(getattr(p.stats, name) for p in radix) for name in ("beyond", "evicted"))
-    hits = sum(p.hits for p in radix) - sum(p.hits for p in hashed)
+    beyond, freed = (sum(getattr(p.stats, k) for p in pools[1::2]) for k in ("beyond", "evicted"))
+    chain, tree = (sum(p.hits for p in pools[i::2]) for i in (0, 1))  # hashed, radix
     print(f"   over these pools whole leaves freed {beyond:,} blocks beyond the need "
           f"({beyond / max(1, freed):.0%} of those they freed)")
-    print(f"   and hit {hits:+,} blocks against the hash chain "
-          f"({hits / max(1, sum(p.hits for p in hashed)):+.1%} of its hits)")
+    print(f"   and hit {tree - chain:+,} blocks against the hash chain "
+          f"({(tree - chain) / max(1, chain):+.1%} of its hits)")
 
 
 def cache_vllm_example():
@@ -1302,22 +1307,6 @@ def cache_vllm_example():
               "free list, last in")
         print("   first out, then never-used ones) before it evicts; vLLM pops one queue of both")
     return maps
-
-
-def cache_chained_hashes(block_size):
-    pool = PrefixCachingAllocator(16, block_size)
-    x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
-    a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
-    chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
-    hits = pool.hits  # b hits nothing, unless the hashes are not chained
-    c = Sequence("c", pool, x + y + [7])
-    print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
-    print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
-          "block cache would give b a's KV")
-    print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
-          f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
-    same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
-    print(f"   c = X+Y+1 token: {plural(pool.hits - hits, 'hit')}, {c.block_table[:2]}: {same}")
 
 
 # ---------------------------------------------------------------------------------------
