@@ -471,11 +471,6 @@ def check_invariants(allocator, sequences):
                f"block {block} has ref-count {allocator.refcount(block)}, {refs} references")
 
 
-def snapshot(allocator, sequences):
-    """Every field of the pool and the sequences, serialized: a refused call leaves it equal."""
-    return pickle.dumps([vars(allocator)] + [{**vars(seq), "allocator": None} for seq in sequences])
-
-
 def random_tokens(rng, n, vocab=32_000):
     """n token ids drawn from rng: every workload in this file is seeded."""
     return rng.choices(range(vocab), k=n)
@@ -489,6 +484,9 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     and prompts cut from earlier ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
+    def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
+        sequences = [{**vars(seq), "allocator": None} for seq in live.values()]
+        return pickle.dumps([vars(allocator)] + sequences)
     for step in range(num_ops):
         ops = ["create", "append", "extend", "fork", "share", "raw share", "free"]
         op = rng.choice(ops if len(live) > 0 else ["create"])
@@ -497,7 +495,7 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
         target = live[rng.choice(sorted(live))] if len(live) > 0 else None
         held = target.block_table[-1:] if op == "raw share" else []  # held outside any sequence
         kept = [(allocator.share(block), allocator.read(block)) for block in held]
-        before = snapshot(allocator, live.values())
+        saved = snapshot()
         try:
             if op == "create":
                 past = rng.choice(seen + list(model.values()))  # freed or live sequences
@@ -521,8 +519,7 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
             counts[op] += 1
         except OutOfBlocksError:
             counts["refused"] += 1
-            expect(snapshot(allocator, live.values()) == before,
-                   f"atomicity: a refused {op} changed the pool or a sequence")
+            expect(snapshot() == saved, f"atomicity: a refused {op} changed the pool or a sequence")
         for block, slots in kept:  # the outside holder still reads what it shared; drop it
             expect(allocator.read(block) == slots, "copy-on-write: an append wrote into a block "
                    "another holder can see")
@@ -1894,8 +1891,7 @@ def bench_admission(num_blocks, prompts, block_size, floor=False):
             for prompt in prompts:
                 parent = NONE_HASH
                 for k in range(len(prompt) // block_size):
-                    pair = (parent, tuple(prompt[k * block_size:(k + 1) * block_size]))
-                    parent = hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
+                    parent = hash_block_tokens(parent, prompt[k * block_size:(k + 1) * block_size])
                     cached.get(parent)
         return run, ops
     pool = PrefixCachingAllocator(num_blocks, block_size)
@@ -2070,8 +2066,7 @@ class Lookahead(LRU):
             use, seq = self.evictable[block]
             self.near.push(block, (-use, seq))
         block = self.order.popitem(last=False)[0] if len(self.order) > 0 else self.near.pop()
-        self.later.discard(block)
-        del self.evictable[block]
+        self.hit(block)  # it leaves the evictable blocks as a hit block does
         return block
 
 
@@ -2439,17 +2434,15 @@ def knob_ranges(b):
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
     counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
               "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
-    return {**dict.fromkeys(counts, (1, math.inf)), "ACTUAL_LEN": (1, MAX_LEN),
-            "POOL_TOKENS": (MAX_LEN + b, math.inf), "CACHE_POOLS": (b, math.inf),
-            "EVICT_SIZES": (1, SWAP_TOKENS), "COPY_LATENCY_S": (0, 1),
-            "PREFILL_EFFICIENCIES": (0.01, 1), "MAX_SEQ_LEN": (2, math.inf),
-            "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
-            "SERVING_LIFETIMES": (0.1, math.inf), "SWEEP_SIZES": (1, MAX_BLOCK_SIZE),
-            "BENCH_POOLS": (max(100, b), math.inf), "FLEET_EFFICIENCIES": (0.01, 1)}
+    return {**dict.fromkeys(counts, (1, math.inf)), "PREFILL_EFFICIENCIES": (0.01, 1),
+            "COPY_LATENCY_S": (0, 1), "FLEET_EFFICIENCIES": (0.01, 1), "ACTUAL_LEN": (1, MAX_LEN),
+            "EVICT_SIZES": (1, SWAP_TOKENS), "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
+            "SWEEP_SIZES": (1, MAX_BLOCK_SIZE), "POOL_TOKENS": (MAX_LEN + b, math.inf),
+            "CACHE_POOLS": (b, math.inf), "MAX_SEQ_LEN": (2, math.inf),
+            "SERVING_LIFETIMES": (0.1, math.inf), "BENCH_POOLS": (max(100, b), math.inf)}
 
 
-CORE_STEPS = ("1", "2", "3", "4", "5")
-STEPS = (*CORE_STEPS, "6a", "6b", "6c", "7", "8", "9", "10", "11", "12")  # the banners' names
+STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the banners' names; 1-5: the core
 
 
 def starter(step, path):
@@ -2459,20 +2452,18 @@ def starter(step, path):
     Run it on your own file to go to the next step."""
     with open(__file__, encoding="utf-8") as source:
         lines = source.read().splitlines(keepends=True)
-    banners = [i for i, line in enumerate(lines, 1)
-               if re.match(r"# (Part \d+\. |\d+[a-c]\. |The )", line)]
-    first = next(i for i in banners if re.match(rf"# (Part )?{step}\. ", lines[i - 1]))
-    last = next(i for i in banners if lines[i - 1].startswith("# Part 6.")) if step in CORE_STEPS \
-        else banners[banners.index(first) + 1]
-    cuts = []
-    for node in ast.walk(ast.parse("".join(lines))):
+    first = next(i for i, line in enumerate(lines, 1) if re.match(rf"# (Part )?{step}\. ", line))
+    banner = r"# (Part \d+\. |\d+[a-c]\. |The [a-z ]+-*$)"  # not "# The cost model: ..."
+    end = r"# Part 6\. " if step in STEPS[:5] else banner
+    last = next(i for i, line in enumerate(lines, 1) if i > first and re.match(end, line))
+    tree = ast.parse("".join(lines))  # functions, methods: a nested one goes with its outer body
+    defs = [n for top in tree.body for n in (top.body if isinstance(top, ast.ClassDef) else [top])]
+    for node in reversed(defs):  # from the bottom, so that a cut moves no line above it
         if isinstance(node, ast.FunctionDef) and first < node.lineno < last:
             body = node.body[1:] if ast.get_docstring(node) is not None else node.body
             if len(body) > 0:
-                cuts.append((body[0].lineno, node.end_lineno, body[0].col_offset))
-    for start, end, indent in sorted(cuts, reverse=True):
-        if not any(s < start and end <= e for s, e, _ in cuts):  # a function inside another
-            lines[start - 1:end] = [" " * indent + "raise NotImplementedError\n"]
+                lines[body[0].lineno - 1:node.end_lineno] = [
+                    " " * body[0].col_offset + "raise NotImplementedError\n"]
     with open(path, "w", encoding="utf-8") as out:
         out.write("".join(lines))
 
@@ -2485,73 +2476,66 @@ class OneLineParser(argparse.ArgumentParser):
 def main(argv=None):
     every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace, fleet, starter
     choices = f"{', '.join(every)}, all, trace PATH, fleet PATH, starter STEP FILE"
-    parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab: the core "
-                           "sections, all of them, or the ones named.")
+    parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab.")
     parser.add_argument("sections", nargs="*", metavar="SECTION",
                         help=f"any of: {choices} (default: {', '.join(CORE)})")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
                         help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE})")
-    parser.add_argument("--seed", type=int, default=None, metavar="N",
+    parser.add_argument("--seed", type=int, metavar="N",
                         help="seed every workload with N >= 0 (default: the lab's own seeds)")
-    parser.add_argument("--requests", type=int, default=None, metavar="N",
+    parser.add_argument("--requests", type=int, metavar="N",
                         help="trace, fleet: replay only the first N requests of the file")
     parser.add_argument("--index", choices=list(INDEXES), default="hash",
                         help="trace: the prefix cache's index (default hash)")
     args = parser.parse_args(argv)
     names = args.sections or list(CORE)
+    name = names[0] if args.sections else "the default run"
     allowed = {"starter": [], "fleet": ["--requests"], "trace": ["--block-size", "--requests",
-               "--index"]}.get(names[0], ["--block-size", "--seed"])  # fleet: a block is an id
+               "--index"]}.get(name, ["--block-size", "--seed"])  # fleet: a block is an id
     for flag in ("--block-size", "--seed", "--requests", "--index"):
         dest = flag[2:].replace("-", "_")
         if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
-            parser.error(f"{names[0] if args.sections else 'the default run'} takes no {flag}; "
-                         f"its options: {', '.join(allowed) or 'none'}")
-    if names[0] == "starter":  # before the knob checks: a starter's own parts may be empty
-        if len(names) != 3 or names[1] not in STEPS:
-            parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where "
-                         "to write the lab; no options")
-        try:
-            return starter(names[1], names[2])
-        except OSError as error:  # FILE in a missing folder, or a folder
-            parser.error(str(error))
+            parser.error(f"{name} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
+    if name == "starter" and (len(names) != 3 or names[1] not in STEPS):
+        parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where to "
+                     "write the lab; no options")
+    if name in ("trace", "fleet") and len(names) != 2:
+        parser.error(f"{name} PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
+                     "FAST25-release/traces/ of kvcache-ai/Mooncake)")
+    names = [*CORE, *EXTENSIONS] if names == ["all"] else names
+    unknown = [section for section in names if section not in every]
+    if name not in ("starter", "trace", "fleet") and len(unknown) > 0:
+        parser.error(f"no section {unknown[0]!r} here; choose from {choices} (all stands alone)")
     if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
         parser.error(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
     if (args.seed or 0) < 0 or (args.requests is not None and args.requests < 1):
         parser.error("--seed must be >= 0 and --requests >= 1")
-    for name, (low, high) in knob_ranges(args.block_size).items():
-        knob = globals()[name]
-        values = knob if isinstance(knob, tuple) else (knob,)
-        if len(values) == 0 or not all(low <= value <= high for value in values):
-            parser.error(f"knob {name} must be in {low}..{high}, got {knob!r}")
-    if names[0] in ("trace", "fleet"):
-        if len(names) != 2:
-            parser.error(f"{names[0]} PATH: a Mooncake-format JSONL file (the FAST'25 traces are "
-                         "in FAST25-release/traces/ of kvcache-ai/Mooncake)")
-        try:
-            if names[0] == "fleet":
-                return demo_fleet(names[1], args.requests)
-            return demo_trace(names[1], args.requests, args.block_size, args.index)
-        except (OSError, ValueError) as error:  # a missing file, a malformed line
-            parser.error(str(error))
-    names = [*CORE, *EXTENSIONS] if names == ["all"] else names
-    unknown = [name for name in names if name not in every]
-    if len(unknown) > 0:  # all, trace, fleet and starter stand alone
-        parser.error(f"no section {unknown[0]!r} here; choose from {choices} (all stands alone)")
-    for i, name in enumerate(names):
-        print("" if i == 0 else "\n", end="")
-        try:
-            every[name](args.block_size, args.seed)
-        except (ValueError, OutOfBlocksError) as error:  # a knob a contract class refused
-            parser.error(f"section {name}: {type(error).__name__}: {error}")
-    if args.sections == []:
-        print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
-              "trace PATH, fleet PATH")
+    try:
+        if name == "starter":  # before the knob checks: a starter's own parts may be empty
+            return starter(*names[1:])
+        for knob, (low, high) in knob_ranges(args.block_size).items():
+            value = globals()[knob]
+            values = value if isinstance(value, tuple) else (value,)
+            if len(values) == 0 or not all(low <= v <= high for v in values):
+                parser.error(f"knob {knob} must be in {low}..{high}, got {value!r}")
+        if name == "fleet":
+            demo_fleet(names[1], args.requests)
+        elif name == "trace":
+            demo_trace(names[1], args.requests, args.block_size, args.index)
+        else:
+            for i, name in enumerate(names):  # name: the section an error names
+                print("" if i == 0 else "\n", end="")
+                every[name](args.block_size, args.seed)
+            if args.sections == []:
+                print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
+                      "trace PATH, fleet PATH")
+        sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
+    except BrokenPipeError:  # nothing more to write to: exit quietly
+        sys.stdout = None
+        sys.exit(1)
+    except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
+        parser.error(f"{name}: {type(error).__name__}: {error}")  # a knob a class refused
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
-    except BrokenPipeError:
-        sys.stdout = None  # nothing more to write to; exit quietly
-        sys.exit(1)
+    main()

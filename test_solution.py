@@ -1622,6 +1622,25 @@ class TestTheLabsShape:
                 assert [ast.unparse(statement) for statement in body] in (
                     [], ["raise NotImplementedError"]), node.name
 
+    @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's starters")
+    @pytest.mark.parametrize("step", ["7", "8", "9", "10", "11", "12"])
+    def test_an_extension_starter_blanks_every_body_of_its_part_and_no_other(self, lab, tmp_path,
+                                                                             step):
+        path = tmp_path / "mine.py"
+        lab.starter(step, str(path))
+        source = path.read_text()
+        banners = rf"^# (Part {step}\.|Part {int(step) + 1}\.|The command line)"  # and after
+        first, last = [source[:m.start()].count("\n") + 1
+                       for m in re.finditer(banners, source, re.MULTILINE)][:2]
+        bodies = {node.lineno: [ast.unparse(statement) for statement in (
+            node.body[1:] if ast.get_docstring(node) is not None else node.body)]
+                  for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+        inside = [body for line, body in bodies.items() if first < line < last]
+        assert ["raise NotImplementedError"] in inside and all(
+            body in ([], ["raise NotImplementedError"]) for body in inside)
+        assert [*bodies.values()].count(["raise NotImplementedError"]) == inside.count(
+            ["raise NotImplementedError"])
+
     def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(self, tmp_path):
         path = tmp_path / "mine.py"
         source = LAB_FILE.read_text()
