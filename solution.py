@@ -2468,15 +2468,11 @@ def starter(step, path):
         out.write("".join(lines))
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # exit 2 with one line naming what was wrong, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main(argv=None):
     every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace, fleet, starter
     choices = f"{', '.join(every)}, all, trace PATH, fleet PATH, starter STEP FILE"
-    parser = OneLineParser(prog="solution.py", description="The paged KV-cache lab.")
+    parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab.")
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line
     parser.add_argument("sections", nargs="*", metavar="SECTION",
                         help=f"any of: {choices} (default: {', '.join(CORE)})")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
