@@ -16,9 +16,8 @@ token id itself, so every sequence reads back through its block table, checked a
 plain list. Read it top to bottom; each part builds on the ones above it.
 
     Part 1  the block pool ........... KVCache (slots), BlockAllocator (free list, ref-counts)
-    Part 2  block tables, sequences .. BlockTable, Sequence: a new block at the boundary, fork,
-                                       copy-on-write of a shared last block
-    Part 3  sharing a prefix ......... share_prefix
+    Part 2  block tables, sequences .. BlockTable, Sequence: a new block at the boundary, fork
+    Part 3  sharing a prefix ......... share_prefix; copy-on-write of a shared last block
     Part 4  checks ................... check_invariants, a randomized oracle, the pitfalls
     Part 5  demos .................... memory efficiency, prefix sharing, a block map
     Part 6  prefix caching ........... two seams: vLLM's hash chain and its block policies
@@ -48,8 +47,7 @@ Where the ideas come from:
 Glossary (one word per idea; the code uses these and no others)
     pool            a BlockAllocator: a fixed number of physical blocks
     block           block_size token slots (16 here, as in vLLM)
-    slot            one token's place in the KV cache: offset o of block b is slot
-                    b * block_size + o of one flat array
+    slot            a token's place in the flat KV cache: block b, offset o is b * block_size + o
     prefill, decode writing a prompt's tokens at once (extend); then one per step (append)
     block table     a sequence's map from logical block i to a physical block id
     ref-count       how many block tables point at a physical block (vLLM: ref_cnt)
@@ -114,9 +112,8 @@ def check_tokens(tokens):
     """tokens as a list, if each is an int >= 0; else TypeError or ValueError naming it."""
     token_ids = list(tokens)  # TypeError if tokens is not iterable
     if [*map(type, token_ids)] != [int] * len(token_ids) or min(token_ids, default=0) < 0:
-        bad = next(token for token in token_ids if type(token) is not int or token < 0)
-        raise (ValueError if type(bad) is int else TypeError)(f"token ids are ints >= 0, "
-                                                              f"got {bad!r}")
+        for token in token_ids:  # raises at the first bad one
+            check_int(token, "a token id", 0)
     return token_ids
 
 
@@ -153,16 +150,15 @@ class KVCache:
 
 class BlockAllocator:
     """A fixed pool of physical blocks: a free list and a ref-count per block in use.
-    Invariant: a block is in use exactly when it has a ref-count (>= 1), free otherwise,
-    so num_free + num_used == num_blocks. Every operation is O(1) per block.
-    State later parts read, by these names: ref_cnt, block -> references (blocks in use
-    only); free_block_ids, blocks given back, reused last in, first out; next_unused, the
-    blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies, copies made.
-    Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is not an
-    int (a bool is not); ValueError for one below 1 (n: below 0); ValueError for a block that
-    is not 0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in
-    use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every
-    block in its free_block_queue at start-up; next_unused makes a new pool O(1) at any size."""
+    Invariant: a block is in use exactly when ref_cnt holds it (ref-count >= 1), free otherwise,
+    so num_free + num_used == num_blocks. Every operation is O(1) per block. State later parts
+    read: ref_cnt, block -> references; free_block_ids, blocks given back, reused last in, first
+    out; next_unused, the blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies,
+    copies made. Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is
+    not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not in
+    0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in use;
+    OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every block in
+    its free_block_queue at start-up; next_unused makes a new pool O(1) at any size."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -175,7 +171,7 @@ class BlockAllocator:
 
     @property
     def num_used(self):
-        """Blocks in use. Pitfall 4 of Part 4 edits the line `return len(self.ref_cnt)`."""
+        """Blocks in use. Pitfall 4 of Part 4 edits `return len(self.ref_cnt)`."""
         return len(self.ref_cnt)
 
     @property
@@ -215,7 +211,7 @@ class BlockAllocator:
 
     def free_blocks(self, blocks):
         """free each of blocks, trusted to be in use (a sequence giving back its own table).
-        Pitfall 1 of Part 4 edits the line `if self.ref_cnt[block] == 0:`."""
+        Pitfall 1 of Part 4 edits `if self.ref_cnt[block] == 0:`."""
         for block in blocks:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
@@ -273,8 +269,7 @@ def check_block(pool, block, in_use=True):
 
 class BlockTable(list):
     """A sequence's page table: entry i is the physical block holding logical block i.
-    Example: block_size 16, tokens 0..19 in physical blocks [7, 2]: slot(17) == (2, 1),
-    token 17 lives in block 2 at offset 1, KV slot 2 * 16 + 1 = 33."""
+    Example: block_size 16, table [7, 2]: slot(17) == (2, 1), so KV slot 2 * 16 + 1 = 33."""
 
     def __init__(self, block_size):
         super().__init__()
@@ -320,10 +315,9 @@ class Sequence:
         return len(self.tokens)
 
     def append(self, token):
-        """Add one token (a decode step): a new block exactly when the last one is full,
-        a private copy of the last block if another reference to it exists. Example:
-        block_size 4, tokens [5, 6, 7, 8] in table [3]: append(9) takes a free block, say
-        0, so the table is [3, 0], and writes 9 at slot 0 * 4 + 0."""
+        """Add one token (a decode step): a new block exactly when the last is full, a private
+        copy of a shared last block. Example: block_size 4, tokens [5, 6, 7, 8] in table [3]:
+        append(9) takes a free block, say 0 (table [3, 0]), and writes 9 at slot 0 * 4 + 0."""
         if self.is_freed or type(token) is not int or token < 0:
             self._check_live()
             check_tokens([token])
@@ -349,7 +343,7 @@ class Sequence:
     def _prefill(self, token_ids):
         """Make room (new blocks, a copy of a shared last block), write each block's run of
         tokens with one slice, then report the blocks that filled. Pitfall 3 of Part 4 edits
-        the line `num_new = cdiv(end, size) - len(table)`."""
+        `num_new = cdiv(end, size) - len(table)`."""
         pool, table, n = self.allocator, self.block_table, len(self)
         size, end = pool.block_size, n + len(token_ids)
         copy = n % size > 0 and end > n and pool.ref_cnt[table[-1]] > 1
@@ -384,8 +378,7 @@ class Sequence:
 
     def _copy_last_block(self):
         """Swap our reference to the shared last block for one to a private copy; returns it.
-        Pitfall 2 of Part 4 edits the line
-        `self.block_table[-1] = self.allocator.copy_block(shared)`."""
+        Pitfall 2 of Part 4 edits `self.block_table[-1] = self.allocator.copy_block(shared)`."""
         shared = self.block_table[-1]
         self.block_table[-1] = self.allocator.copy_block(shared)  # may raise: nothing changed
         self.allocator.free_blocks([shared])
@@ -459,10 +452,9 @@ def check_invariants(allocator, sequences):
     audit(allocator)
     references = Counter({block: 0 for block in allocator.ref_cnt})  # a leak stays at 0
     for seq in (seq for seq in sequences if not seq.is_freed):
-        need = cdiv(len(seq.tokens), allocator.block_size)
-        expect(len(seq.block_table) == need, f"block count: sequence {seq.seq_id!r} holds "
-               f"{plural(len(seq.block_table), 'block')} for {plural(len(seq), 'token')}, "
-               f"needs {need}")
+        held, need = len(seq.block_table), cdiv(len(seq.tokens), allocator.block_size)
+        expect(held == need, f"block count: sequence {seq.seq_id!r} holds {plural(held, 'block')} "
+               f"for {plural(len(seq), 'token')}, needs {need}")
         references.update(seq.block_table)
         expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
                "tokens it was not given")
@@ -667,12 +659,11 @@ def written_share(pool):
 
 def demo_memory(block_size, seed):
     """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed)."""
-    rng, num_blocks = random.Random(0 if seed is None else seed), POOL_TOKENS // block_size
-    naive_pool, paged_pool = (BlockAllocator(num_blocks, block_size) for _ in range(2))
-    request = random_tokens(rng, ACTUAL_LEN)
+    naive_pool, paged_pool = (BlockAllocator(POOL_TOKENS // block_size, block_size) for _ in (0, 1))
+    request = random_tokens(random.Random(0 if seed is None else seed), ACTUAL_LEN)
     naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
     paged = admit_until_full(lambda i: Sequence(i, paged_pool, request))
-    print(f"== memory efficiency: sequences that fit in a {num_blocks}-block pool ==")
+    print(f"== memory efficiency: sequences that fit in a {naive_pool.num_blocks}-block pool ==")
     print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
     print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
