@@ -735,9 +735,8 @@ NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's nam
 
 def hash_block_tokens(parent_hash, token_ids):
     """A full block's hash: SHA-256 of the pickled (parent_hash or NONE_HASH, tuple(token_ids)).
-    Example: block_size 4, prompt 1..8: h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
-    hash_block_tokens(h0, [5, 6, 7, 8]); the prompt 9, 9, 9, 9, 5, 6, 7, 8 has the same
-    second block of tokens after another parent: its hash is not h1.
+    Example, block_size 4: prompt 1..8 has h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
+    hash_block_tokens(h0, [5, 6, 7, 8]); after 9, 9, 9, 9 the same second block does not hash to h1.
     NOTE: no token compare on a hit, as vLLM, which seeded Python's hash() at random after
     GHSA-rm76-4mrf-v9r8 (Jan. 2025), offered SHA-256 from v0.8.3, its default by v0.11."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
@@ -785,8 +784,7 @@ class HashIndex:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
         self.policy = POLICIES[policy]() if isinstance(policy, str) else policy
-        self.cached = {}      # block hash -> block (vLLM: cached_block_hash_to_block)
-        self.block_hash = {}  # block -> its block hash
+        self.cached, self.block_hash = {}, {}  # cached: vLLM's cached_block_hash_to_block
 
     def __len__(self):
         return len(self.policy)
@@ -960,10 +958,8 @@ class LazyHeap:
         return self.heap[0]
 
     def pop(self):
-        key, item = self.peek()
-        heapq.heappop(self.heap)
-        del self.key[item]
-        return item
+        del self.key[self.peek()[1]]
+        return heapq.heappop(self.heap)[1]
 
 
 class RadixNode:
@@ -1242,8 +1238,7 @@ def demo_cache(block_size, seed):
     print("   order            index                 hits   blocks evicted")
     for order, name in itertools.product(("arrival", "longest prefix"), INDEXES):  # batches
         pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
-        for first in range(0, len(stream), WAITING):
-            batch = stream[first:first + WAITING]
+        for batch in (stream[i:i + WAITING] for i in range(0, len(stream), WAITING)):
             serve(pool, batch if order == "arrival" else  # SGLang's lpm: the longest match first
                   sorted(batch, key=lambda request: -pool.index.match(request[0])[1]))
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
