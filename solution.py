@@ -1297,11 +1297,9 @@ def cache_vllm_example():
 # ---------------------------------------------------------------------------------------
 # Paging makes a full pool normal: a sequence that needs a block when none is free preempts
 # another (the victim), resumed later by recompute (prefilled again) or swap (via a host pool).
-#
-# The cost model: OPT-13B on one A100-40GB, the paper's setting in 7.3 (its Table 1).
-#   copies per block: vLLM v0 copies K and V apart, layer by layer, a cudaMemcpyAsync a block
-#     (worker/cache_engine.py calls swap_blocks per layer; csrc/cache_kernels.cu)
-#   a cudaMemcpyAsync costs 5-7 us whatever its size (DualPath, arXiv 2602.21548, sec. 5.2)
+# The cost model: OPT-13B on one A100-40GB, the paper's 7.3 setting (its Table 1). vLLM v0 copies
+# K and V apart, layer by layer, a cudaMemcpyAsync a block (worker/cache_engine.py: swap_blocks per
+# layer; csrc/cache_kernels.cu), each 5-7 us whatever its size (DualPath, arXiv 2602.21548, 5.2).
 NUM_LAYERS, HIDDEN_SIZE, PARAMETERS = 40, 5120, 13e9
 PCIE_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8  # PCIe 4.0 x16 each way (a peak), 128b/130b encoding
 COPY_LATENCY_S = (5e-6, 7e-6)  # measured on NVIDIA Hopper GPUs, not an A100
@@ -1355,15 +1353,12 @@ def swap_in(seq_id, tokens, host_blocks, host, gpu):
 
 
 class Scheduler:
-    """Run requests to completion on a plain GPU pool, preempting when it runs out: the least
-    recently stepped request (ties: the latest arrival, then the highest req_id), by
-    "recompute" or by "swap" to a host pool of its block size (else ValueError). Each step:
-    resume preempted requests, oldest first, while they fit; only if none waits, admit arrived
-    ones in (arrival, req_id) order while they fit; give each running request a token, in
-    req_id order. finished: req_id -> its tokens. Admissions and resumes keep 1% of the blocks
-    free (NOTE: vLLM v0's watermark; at least 1 here). NOTE: vLLM v1 preempts the latest
-    admitted (running.pop()) and always recomputes; the least recently stepped victim is ours,
-    so a request just resumed is not the next victim."""
+    """Each step on a plain GPU pool: resume the preempted, then, if none waits, admit arrived ones,
+    both by (arrival, req_id) while they fit, keeping 1% of blocks free (NOTE: vLLM v0's watermark;
+    at least 1 here); give each running one a token by req_id, preempting, when blocks run out, the
+    least recently stepped (ties: latest arrival, then highest req_id) by "recompute" or "swap" to a
+    host pool of its block size (else ValueError). finished: req_id -> its tokens. NOTE: vLLM v1
+    preempts the last admitted (running.pop()), always recomputing; ours spares one just resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
@@ -1386,7 +1381,14 @@ class Scheduler:
             for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r)):
                 if not self._fits(len(self.preempted[req_id][1])):
                     break  # nobody overtakes them
-                self._resume(req_id, step)
+                request, tokens, host_blocks = self.preempted.pop(req_id)
+                if host_blocks is None:
+                    self.stats.recomputed_tokens += len(tokens)
+                    seq = Sequence(req_id, self.gpu, tokens)
+                else:
+                    self.stats.swapped_in_blocks += len(host_blocks)
+                    seq = swap_in(req_id, tokens, host_blocks, self.host, self.gpu)
+                self._run(request, seq, step)
             while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
                     and self._fits(len(queue[0].prompt)):
                 request = queue.pop(0)
@@ -1407,15 +1409,6 @@ class Scheduler:
             self.finished[request.req_id] = seq.read()
             seq.free()
             del self.running[request.req_id]
-
-    def _resume(self, req_id, step):
-        request, tokens, host_blocks = self.preempted.pop(req_id)
-        if host_blocks is None:
-            self.stats.recomputed_tokens += len(tokens)
-            self._run(request, Sequence(req_id, self.gpu, tokens), step)
-        else:
-            self.stats.swapped_in_blocks += len(host_blocks)
-            self._run(request, swap_in(req_id, tokens, host_blocks, self.host, self.gpu), step)
 
     def _decode(self, req_id, step):
         seq, request, _ = self.running[req_id]
@@ -1463,12 +1456,11 @@ def draw_length(rng, mean, cap):
 
 def preemption_workload(seed):
     """EVICT_REQUESTS ShareGPT-like requests, one a step: prompt length, tokens, output length."""
-    rng, requests = random.Random(seed), []
+    rng, queue = random.Random(seed), []
     for i in range(EVICT_REQUESTS):
-        prompt = draw_length(rng, SHAREGPT[1], MAX_SEQ_LEN // 2)
-        requests.append(Request(i, random_tokens(rng, prompt),
-                                draw_length(rng, SHAREGPT[2], MAX_SEQ_LEN - prompt), i))
-    return requests
+        prompt = random_tokens(rng, draw_length(rng, SHAREGPT[1], MAX_SEQ_LEN // 2))
+        queue += [Request(i, prompt, draw_length(rng, SHAREGPT[2], MAX_SEQ_LEN - len(prompt)), i)]
+    return queue
 
 
 def run_policy(policy, block_size, requests, host_tokens):
@@ -1528,16 +1520,14 @@ def demo_evict(block_size, seed):
             for t in COPY_LATENCY_S for r in restore.values()]
     print(f"   in {big}-token blocks (swap at its cheapest), at {low:g}-{high:g} us a copy, the "
           f"quote's 20% is {min(over):.0%} to {max(over):.0%} here")
-    # Fig. 19b: a swap run with a GPU-sized host pool preempts the recompute run's victims (tested)
-    seeds = range(first, first + EVICT_SEEDS)
+    seeds, fastest = range(first, first + EVICT_SEEDS), PREFILL_EFFICIENCIES[0]  # Fig. 19b's
     print(f"   end to end on our scheduler (Fig. 19b's quantity): last column seeds "
           f"{first}-{seeds[-1]}, the others seed {first}")
     print("   block  preemptions  restored tokens  recompute ms  swap ms  end to end")
     gap = share = 0.0
-    for size in EVICT_SIZES:
+    for size in EVICT_SIZES:  # a swap run with a GPU-sized host preempts the same victims (tested)
         runs = [run_policy("recompute", size, preemption_workload(s), 0) for s in seeds]
-        costs = [(st.steps * DECODE_STEP_S, recompute_seconds(st.recomputed_tokens,
-                                                               PREFILL_EFFICIENCIES[0]),
+        costs = [(st.steps * DECODE_STEP_S, recompute_seconds(st.recomputed_tokens, fastest),
                   2 * swap_seconds(st.preempted_blocks, size, copies, latency)) for st in runs]
         ratios = [(decode + recompute) / (decode + swap) for decode, recompute, swap in costs]
         if 16 <= size <= 64:
@@ -1720,10 +1710,9 @@ def sweep_workload(dataset, seed):
 
 
 def measure_block_size(requests, kv_tokens, block_size):
-    """(fragmentation: unused slots / slots of blocks in use, over both pools; block-table
-    entries per sequence; every table's bytes; requests that fit): requests go, in order,
-    into a pool of kv_tokens until it refuses one; that one and the rest into a pool with
-    room for all, so waste and tables count every request."""
+    """(fragmentation: unused slots / slots of blocks in use, over both pools; block-table entries
+    per sequence; all tables' bytes; requests that fit): requests go in order into a kv_tokens pool,
+    from the first it refuses on into one with room for all, so waste and tables count them all."""
     budget = BlockAllocator(kv_tokens // block_size, block_size)
     rest = BlockAllocator(sum(cdiv(len(p) + len(o), block_size) for p, o in requests), block_size)
     seqs, refused = [], False
@@ -1786,20 +1775,18 @@ def demo_sweep(block_size, seed):
             f"{', '.join(map(str, spots[name, budget])):<21}" for budget in budgets)).rstrip())
     print("vs the paper (7.2), quoted:")
     print(WRAP.fill(f'"{PAPER_72}"'))
-    print(f"   at our {MAX_FRAGMENTATION:.0%} the sweet spots are " + "; ".join(
+    print(WRAP.fill(f"at our {MAX_FRAGMENTATION:.0%} the sweet spots are " + "; ".join(
         f"{', '.join(map(str, spots[name, MAX_FRAGMENTATION]))} ({name}-like)"
-        for name in (ALPACA[0], SHAREGPT[0])) + "; the paper")
-    print("   ranks serving performance, which this lab does not time, and our spot weighs waste "
-          "only")
+        for name in (ALPACA[0], SHAREGPT[0])) + "; the paper ranks serving performance, which "
+        "this lab does not time, and our spot weighs waste only"))
 
 
 # ---------------------------------------------------------------------------------------
 # Part 10. Benchmark: O(1) per operation, and admission against the hash
 # ---------------------------------------------------------------------------------------
-# vLLM calls its block manager for every token of every running sequence: it moved its free
-# queue to a linked list and its evictor off an O(n) scan when they showed in latency. Each
-# operation is timed at pools of very different sizes (flat rows: the point), and against the
-# least work it could do.
+# vLLM calls its block manager for every token of every running sequence: it moved its free queue to
+# a linked list and its evictor off an O(n) scan when they showed in latency. Each operation is
+# timed at pool sizes far apart (flat rows: the point), and against the least work it could do.
 
 BENCH_POOLS = (1_000, 100_000, 1_000_000)  # blocks
 BENCH_REPEATS = 15
@@ -1959,9 +1946,8 @@ class TraceRequest:
 
 
 def load_trace(path, limit=None):
-    """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines
-    skipped; ValueError ("path:N: ...") for a line that is not a request, OSError if the
-    file cannot be read."""
+    """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines skipped;
+    ValueError ("path:N: ...") for a line that is not a request, OSError if it cannot be read."""
     with open(path, encoding="utf-8") as lines:
         numbered = ((number, line) for number, line in enumerate(lines, 1) if line.strip() != "")
         return [parse_trace_line(line, f"{path}:{number}")
