@@ -72,6 +72,7 @@ import inspect
 import itertools
 import json
 import math
+import pathlib
 import pickle
 import platform
 import random
@@ -400,11 +401,10 @@ class Sequence:
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence, type(src)(seq_id, pool) with no tokens, whose first num_tokens (default all)
-    are src's, in src's blocks, a partly covered last one got by pool.share_tail. Example: src
-    has 20 tokens in [a, b] (block_size 16); share_prefix(src, "x", 18) gives x the table
-    [a, b], ref-counts 2; who writes b copies it. Refusals, changing nothing: TypeError for a
-    src that is not a Sequence or a num_tokens not an int; ValueError for num_tokens outside
-    0..len(src), or a freed src."""
+    are src's, in src's blocks, a partly covered last one got by pool.share_tail. Example: src has
+    20 tokens in [a, b] (block_size 16); share_prefix(src, "x", 18) gives x [a, b], ref-counts 2;
+    who writes b copies it. Refusals, changing nothing: TypeError for a src not a Sequence or a
+    num_tokens not an int; ValueError for num_tokens outside 0..len(src), or a freed src."""
     if not isinstance(src, Sequence):
         raise TypeError(f"src must be a Sequence, got {src!r}")
     if src.is_freed:
@@ -1978,10 +1978,9 @@ def parse_trace_line(line, where):
 def trace_prompt(request, block_size):
     """The prompt the replay admits: hash id h becomes the block_size tokens h * block_size + k; a
     partial last id (rem = input_length % 512 > 0) keeps min(block_size - 1, max(1, rem *
-    block_size // 512)) of them, never a full block. Example: block size 4, input_length 1100,
-    hash_ids [7, 9, 3]: 28..31, 36..39, and 76 tokens remain: id 3 keeps max(1, 76 * 4 // 512) = 1
-    token, 12. The scale changes no hit with room for all; under pressure, partial and decode
-    blocks move a few."""
+    block_size // 512)) of them, never a full block. Example, block size 4: input_length 1100,
+    hash_ids [7, 9, 3]: 28..31, 36..39; id 3's 76 tokens keep max(1, 76 * 4 // 512) = 1, token 12.
+    This changes no hit with room for all; under pressure, partial and decode blocks move a few."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
     tokens = [h * block_size + k for h in request.hash_ids[:full] for k in range(block_size)]
     if rem > 0:
@@ -2400,9 +2399,8 @@ MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
 def knob_ranges(b):
-    """The knobs a learner may edit whose bad values fail far from their cause (a hang, a
-    ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
-    outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
+    """The ranges at block size b of the knobs whose bad values fail far from their cause (a hang, a
+    ZeroDivisionError in a demo): main refuses a value outside one, or an empty tuple."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
     counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
               "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
@@ -2422,11 +2420,9 @@ def starter(step, path):
     of Parts N..5, another step only its own. Each function and method keeps its signature,
     docstring and the comments before its body, which becomes `raise NotImplementedError`.
     Run it on your own file to go to the next step."""
-    with open(__file__, encoding="utf-8") as source:
-        lines = source.read().splitlines(keepends=True)
+    lines = pathlib.Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines, 1) if re.match(rf"# (Part )?{step}\. ", line))
-    banner = r"# (Part \d+\. |\d+[a-c]\. |The [a-z ]+-*$)"  # not "# The cost model: ..."
-    end = r"# Part 6\. " if step in STEPS[:5] else banner
+    end = r"# Part 6\. " if step in STEPS[:5] else r"# (Part \d+\. |\d+[a-c]\. |The [a-z ]+-*$)"
     last = next(i for i, line in enumerate(lines, 1) if i > first and re.match(end, line))
     tree = ast.parse("".join(lines))  # functions, methods: a nested one goes with its outer body
     defs = [n for top in tree.body for n in (top.body if isinstance(top, ast.ClassDef) else [top])]
@@ -2436,8 +2432,7 @@ def starter(step, path):
             if len(body) > 0:
                 lines[body[0].lineno - 1:node.end_lineno] = [
                     " " * body[0].col_offset + "raise NotImplementedError\n"]
-    with open(path, "w", encoding="utf-8") as out:
-        out.write("".join(lines))
+    pathlib.Path(path).write_text("".join(lines), encoding="utf-8")
 
 
 def main(argv=None):
@@ -2465,8 +2460,7 @@ def main(argv=None):
         if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
             parser.error(f"{name} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
     if name == "starter" and (len(names) != 3 or names[1] not in STEPS):
-        parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}, FILE where to "
-                     "write the lab; no options")
+        parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}; FILE, where it goes")
     if name in ("trace", "fleet") and len(names) != 2:
         parser.error(f"{name} PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
                      "FAST25-release/traces/ of kvcache-ai/Mooncake)")
@@ -2502,7 +2496,7 @@ def main(argv=None):
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.error(f"{name}: {type(error).__name__}: {error}")  # a knob a class refused
+        parser.error(f"{name}: {type(error).__name__}: {error}")  # a knob a contract class refused
 
 
 if __name__ == "__main__":
