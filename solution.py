@@ -16,8 +16,8 @@ token id itself, so every sequence reads back through its block table, checked a
 plain list. Read it top to bottom; each part builds on the ones above it.
 
     Part 1  the block pool ........... KVCache (slots), BlockAllocator (free list, ref-counts)
-    Part 2  block tables, sequences .. BlockTable, Sequence: a new block at the boundary, fork
-    Part 3  sharing a prefix ......... share_prefix; copy-on-write of a shared last block
+    Part 2  block tables, sequences .. BlockTable, Sequence: blocks on demand, fork, copy-on-write
+    Part 3  sharing a prefix ......... share_prefix
     Part 4  checks ................... check_invariants, a randomized oracle, the pitfalls
     Part 5  demos .................... memory efficiency, prefix sharing, a block map
     Part 6  prefix caching ........... two seams: vLLM's hash chain and its block policies
@@ -470,10 +470,11 @@ def random_tokens(rng, n, vocab=32_000):
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
-    each; a refused one (OutOfBlocksError) must change nothing (else "atomicity: ..."). Returns
-    a Counter of "create", "append", "extend", "fork", "share" (share_prefix), "raw share" (the
-    pool shares a sequence's last block while it appends), "free" and "refused". A small vocab
-    and prompts cut from earlier ones make shared and cached prefixes common."""
+    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence
+    (else "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
+    (share_prefix), "raw share" (the pool shares a sequence's last block while it appends), "free"
+    and "refused". A small vocab and prompts cut from earlier ones make shared and cached prefixes
+    common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -930,7 +931,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
 class LazyHeap:
     """Items by distinct keys: push(item, key), discard(item), pop() the least (peek: its (key,
-    item)). Old entries stay till they are half the heap, skipped when popped (no decrease-key)."""
+    item)). Old entries (heapq has no decrease-key) are skipped when popped, dropped past half."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -964,8 +965,8 @@ class LazyHeap:
 
 class RadixNode:
     """A run of blocks: tokens, blocks, children (by their first block's tokens), parent, depth
-    (blocks above), lock_ref (its blocks in use: its first ones), last_access (the pool's clock),
-    id (SGLang's: nodes are numbered as made, so an id is also when a node was made)."""
+    (blocks above), lock_ref (its blocks in use: its first ones), last_access (the pool's clock), id
+    (as SGLang's, numbered as made: FIFO's creation time, and any tie's, lower first)."""
     ids = itertools.count()
 
     def __init__(self, parent, depth, now):
@@ -988,7 +989,7 @@ class RadixIndex:
     NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing. A
     block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
     frees it); a lone pool.share of a cached block breaks the locks. State: root; node_of, block
-    -> node; leaves, a LazyHeap of the leaves with a free block; locked (protected_size_)."""
+    -> node; leaves, a LazyHeap of the candidate leaves; locked, blocks in use (protected_size_)."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -1059,13 +1060,13 @@ class RadixIndex:
     def update(self, node, locks=0):  # add locks (+ or -); a candidate: a leaf with a free block
         node.lock_ref += locks
         self.locked += locks
-        if len(node.children) == 0 and node.lock_ref < len(node.blocks):  # never the root
+        if len(node.children) == 0 and node.lock_ref < len(node.blocks):  # SGLang: lock_ref == 0
             self.leaves.push(node, (PRIORITIES[self.policy](node), node.id))
         else:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """SGLang's evict: the lowest-priority leaves till n blocks are free; locked blocks stay."""
+        """SGLang's evict: lowest-priority leaves until >= n blocks are free, but locked blocks."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
@@ -1149,7 +1150,7 @@ class S3FIFO(LRU):
             if len(self.small) >= 0.1 * len(self):  # always, when main is empty
                 block = self.small.popitem(last=False)[0]
                 if self.hits[block] < 2:
-                    self.ghost[self.content[block]] = True
+                    self.ghost[self.content[block]] = True  # True: cached() pops it as in_main
                     while len(self.ghost) > max(1, len(self.main)):
                         self.ghost.popitem(last=False)
                     return block
@@ -1216,7 +1217,7 @@ def demo_cache(block_size, seed):
     print(f"   automatic cache       : {auto.num_used:>4} blocks used   hit rate "
           f"{auto.hit_rate:.1%} ({auto.hits} of {auto.hits + auto.misses} full prompt blocks)")
     cache_vllm_example()
-    pool = PrefixCachingAllocator(16, block_size)  # 3., chained hashes
+    pool = PrefixCachingAllocator(16, block_size)  # 3. chained hashes
     x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
     a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
     chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
@@ -1249,7 +1250,7 @@ def print_two_seams(pools):
     print("   look-ups: hashes computed (hash), children visited (radix)")
     print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
-        st = pool.stats  # look-ups: hashes; children (and block compares)
+        st = pool.stats
         print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hit_rate:>8.1%}  {st.evictions:>9,}  "
               f"{st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
     beyond, freed = (sum(getattr(p.stats, k) for p in pools[1::2]) for k in ("beyond", "evicted"))
@@ -1980,7 +1981,7 @@ def trace_prompt(request, block_size):
     partial last id (rem = input_length % 512 > 0) keeps min(block_size - 1, max(1, rem *
     block_size // 512)) of them, never a full block. Example, block size 4: input_length 1100,
     hash_ids [7, 9, 3]: 28..31, 36..39; id 3's 76 tokens keep max(1, 76 * 4 // 512) = 1, token 12.
-    This changes no hit with room for all; under pressure, partial and decode blocks move a few."""
+    Scaling changes no hit if all fit; under pressure, partial and decode blocks move a few."""
     full, rem = divmod(request.input_length, TRACE_ID_TOKENS)
     tokens = [h * block_size + k for h in request.hash_ids[:full] for k in range(block_size)]
     if rem > 0:
@@ -2399,8 +2400,9 @@ MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
 def knob_ranges(b):
-    """The ranges at block size b of the knobs whose bad values fail far from their cause (a hang, a
-    ZeroDivisionError in a demo): main refuses a value outside one, or an empty tuple."""
+    """The knobs a learner may edit whose bad values fail far from their cause (a hang, a
+    ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
+    outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
     counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
               "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
@@ -2444,15 +2446,13 @@ def main(argv=None):
                         help=f"any of: {choices} (default: {', '.join(CORE)})")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
                         help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE})")
-    parser.add_argument("--seed", type=int, metavar="N",
-                        help="seed every workload with N >= 0 (default: the lab's own seeds)")
-    parser.add_argument("--requests", type=int, metavar="N",
-                        help="trace, fleet: replay only the first N requests of the file")
+    parser.add_argument("--seed", type=int, metavar="N", help="seed every workload (default: ours)")
+    parser.add_argument("--requests", type=int, metavar="N", help="trace, fleet: the first N only")
     parser.add_argument("--index", choices=list(INDEXES), default="hash",
                         help="trace: the prefix cache's index (default hash)")
     args = parser.parse_args(argv)
     names = args.sections or list(CORE)
-    name = names[0] if args.sections else "the default run"
+    section = name = names[0] if args.sections else "the default run"  # section: what failed
     allowed = {"starter": [], "fleet": ["--requests"], "trace": ["--block-size", "--requests",
                "--index"]}.get(name, ["--block-size", "--seed"])  # fleet: a block is an id
     for flag in ("--block-size", "--seed", "--requests", "--index"):
@@ -2485,9 +2485,9 @@ def main(argv=None):
         elif name == "trace":
             demo_trace(names[1], args.requests, args.block_size, args.index)
         else:
-            for i, name in enumerate(names):  # name: the section an error names
+            for i, section in enumerate(names):
                 print("" if i == 0 else "\n", end="")
-                every[name](args.block_size, args.seed)
+                every[section](args.block_size, args.seed)
             if args.sections == []:
                 print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
                       "trace PATH, fleet PATH")
@@ -2496,7 +2496,7 @@ def main(argv=None):
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.error(f"{name}: {type(error).__name__}: {error}")  # a knob a contract class refused
+        parser.error(f"{section}: {type(error).__name__}: {error}")  # a knob a class refused
 
 
 if __name__ == "__main__":
