@@ -930,8 +930,8 @@ class PrefixCachingAllocator(BlockAllocator):
 # 6b. The radix tree ---------------------------------------------------------------------
 
 class LazyHeap:
-    """Items by distinct keys: push(item, key), discard(item), pop() the least (peek: its (key,
-    item)). Old entries (heapq has no decrease-key) are skipped when popped, dropped past half."""
+    """Items by distinct keys: push(item, key), discard(item), pop() the least, peek() its (key,
+    item). key: item -> key; heap: (key, item) for heapq, old ones skipped, dropped past half."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -980,7 +980,7 @@ PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py:
 
 class RadixIndex:
     """SGLang's index: a radix tree of cached blocks whose leaves go whole, lowest priority
-    first (a name in PRIORITIES, else ValueError). Example, block_size 2, 6 blocks, LRU:
+    first (policy: a name in PRIORITIES, else ValueError). Example, block_size 2, 6 blocks, LRU:
         a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2), an evictable leaf
         b = [1 2 3 4 7 8]          hits 0 1, locks them (inc_lock_ref); [7 8] splits the node
                                    (_split_node): root -> [1 2 3 4] -> {[5 6], [7 8]}
@@ -1034,7 +1034,7 @@ class RadixIndex:
         self.update(node, last - first)  # every block inserted is in use
 
     def split(self, node, i):
-        """SGLang's _split_node: a new parent takes node's blocks 0..i-1, and their locks."""
+        """SGLang's _split_node: a new parent takes blocks 0..i-1, their locks and last_access."""
         size, head = self.block_size, RadixNode(node.parent, node.depth, node.last_access)
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
         node.parent.children[tuple(node.tokens[:size])] = head
@@ -1052,7 +1052,7 @@ class RadixIndex:
         self.node_of[block].last_access = now
         self.update(self.node_of[block], 1 if revived else 0)
 
-    def release(self, block, now):  # SGLang: dec_lock_ref
+    def release(self, block, now):  # SGLang: dec_lock_ref (the access time stays)
         if self.holds(block):
             self.update(self.node_of[block], -1)
         return self.holds(block)
@@ -1247,7 +1247,7 @@ def demo_cache(block_size, seed):
 
 def print_two_seams(pools):
     """A row per pool, hash and radix in turn; then one sentence on where the two differ."""
-    print("   look-ups: hashes computed (hash), children visited (radix)")
+    print("   look-ups: hashes computed (hash), children looked up (radix)")
     print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
         st = pool.stats
