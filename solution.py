@@ -460,21 +460,21 @@ def check_invariants(allocator, sequences):
                "tokens it was not given")
     for block, refs in references.items():  # every block in use or in a table
         expect(allocator.refcount(block) == refs, f"ref-count != block-table references: "
-               f"block {block} has ref-count {allocator.refcount(block)}, {refs} references")
+               f"block {block}: ref-count {allocator.refcount(block)}, references {refs}")
 
 
 def random_tokens(rng, n, vocab=32_000):
-    """n token ids drawn from rng: every workload in this file is seeded."""
+    """rng.choices(range(vocab), k=n): n token ids drawn from rng; every workload here is seeded."""
     return rng.choices(range(vocab), k=n)
 
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
-    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence
-    (else "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
-    (share_prefix), "raw share" (the pool shares a sequence's last block while it appends), "free"
-    and "refused". A small vocab and prompts cut from earlier ones make shared and cached prefixes
-    common."""
+    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence (else
+    "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
+    (share_prefix), "raw share" (the pool shares a last block while its sequence appends, then frees
+    it), "free" and "refused"; all are freed at the end. A small vocab and prompts cut from earlier
+    ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -541,10 +541,10 @@ def check_block_boundary(sizes):
 
 
 def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=None):
-    """Where each sharing bug shows, on a pool of 8 blocks of size (3 or more): a holds a full
-    block and a partly full one; b shares both but a's last token; b appends (a copy); a is
-    freed (b keeps the shared block); c arrives. check_invariants after each step, whose name
-    ("a", "a.extend", "b", "b.append", "a.free", "c") goes to done first. Returns a label."""
+    """Where each sharing bug shows, on a pool of 8 blocks of size (3 or more): a = range(size),
+    extended by [size, size + 1]; b = share_prefix(a, "b", size + 1) appends 99 (a copy); a is freed
+    (b keeps the shared block); c = range(100, size + 102). check_invariants after each step, whose
+    name ("a", "a.extend", "b", "b.append", "a.free", "c") goes to done first. Returns a label."""
     pool, live, done = pool_class(8, size), {}, [] if done is None else done
     steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
              "a.extend": lambda: live["a"].extend([size, size + 1]),
@@ -591,7 +591,7 @@ PITFALLS = [
 
 
 def commit_bug(method, line, bug):
-    """A subclass of method's class in which method has line replaced by bug."""
+    """A subclass of method's class, line replaced by bug wherever in method (else ValueError)."""
     source = textwrap.dedent(inspect.getsource(method))
     if line not in source:
         raise ValueError(f"{method.__qualname__} has no line {line!r}: commit this bug by hand")
