@@ -185,26 +185,35 @@ class BlockAllocator:
             raise OutOfBlocksError(f"need {n} block(s), {self.num_free} of {self.num_blocks} free")
 
     def allocate(self):
-        """A free block, now with ref-count 1: the last one given back, else a new one."""
-        self.ensure_free(1)
-        if len(self.free_block_ids) > 0:
-            block = self.free_block_ids.pop()
-        else:
-            block, self.next_unused = self.next_unused, self.next_unused + 1
-            self.kv_cache.grow()
-        self.ref_cnt[block] = 1
-        return block
+        """A free block, now with ref-count 1 (allocate_many's first)."""
+        return self.allocate_many(1)[0]
 
     def allocate_many(self, n):
-        """n blocks or none. New pool: allocate_many(3) -> [0, 1, 2]; then free(1), free(0),
-        allocate_many(3) -> [0, 1, 3]."""
+        """n free blocks, each now with ref-count 1, or none: the last ones given back, then new
+        ones. New pool: allocate_many(3) -> [0, 1, 2]; then free(1), free(0), allocate_many(3)
+        -> [0, 1, 3]."""
         self.ensure_free(check_int(n, "n", 0))
-        return [self.allocate() for _ in range(n)]
+        blocks = []
+        for _ in range(n):
+            if len(self.free_block_ids) > 0:
+                block = self.free_block_ids.pop()
+            else:
+                block, self.next_unused = self.next_unused, self.next_unused + 1
+                self.kv_cache.grow()
+            self.ref_cnt[block] = 1
+            blocks.append(block)
+        return blocks
 
     def share(self, block):
         """One more reference to a block in use; returns it."""
-        self.ref_cnt[check_block(self, block)] += 1
+        self.share_blocks([check_block(self, block)])
         return block
+
+    def share_blocks(self, blocks):
+        """share each of blocks, trusted to be in use (a sequence sharing its own table); them."""
+        for block in blocks:
+            self.ref_cnt[block] += 1
+        return blocks
 
     def free(self, block):
         """Drop one reference; the block becomes free only when none is left."""
@@ -212,11 +221,12 @@ class BlockAllocator:
 
     def free_blocks(self, blocks):
         """free each of blocks, trusted to be in use (a sequence giving back its own table).
-        Pitfall 1 of Part 4 edits `if self.ref_cnt[block] == 0:`."""
+        Pitfall 1 of Part 4 edits `if ref_cnt[block] == 0:`."""
+        ref_cnt = self.ref_cnt
         for block in blocks:
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                del self.ref_cnt[block]
+            ref_cnt[block] -= 1
+            if ref_cnt[block] == 0:
+                del ref_cnt[block]
                 self.free_block_ids.append(block)
 
     def refcount(self, block):
@@ -229,7 +239,7 @@ class BlockAllocator:
 
     def copy_block(self, block):
         """A new block holding a copy of block's slots: copy-on-write's copy (Part 3)."""
-        check_block(self, block, in_use=False)  # a prefix cache copies a free cached block
+        check_block(self, block)
         copy = self.allocate()
         self.kv_cache.copy(block, copy)
         self.num_copies += 1
@@ -242,9 +252,10 @@ class BlockAllocator:
         check_tokens(token_ids)
         return [], 0
 
-    def cache_blocks(self, table, tokens, first, last):
+    def cache_blocks(self, table, tokens, first, last, decode=False):
         """Blocks first..last-1 of a block table now hold tokens[first * block_size:
-        last * block_size], the last of them maybe partly (a cache keeps full ones)."""
+        last * block_size], the last of them maybe partly (a cache keeps full ones); decode: a
+        decode step filled the last block (SGLang caches those when the sequence finishes)."""
 
     def share_tail(self, block):
         """block, with one more reference (a prefix cache may give a copy instead)."""
@@ -334,7 +345,7 @@ class Sequence:
         pool.kv_cache.slots[block * size + offset] = token
         self.tokens.append(token)
         if offset == size - 1:
-            pool.cache_blocks(table, self.tokens, len(table) - 1, len(table))
+            pool.cache_blocks(table, self.tokens, len(table) - 1, len(table), decode=True)
 
     def extend(self, tokens):
         """Add tokens, all or none, as a prefill does."""
@@ -415,7 +426,7 @@ def share_prefix(src, seq_id, num_tokens=None):
     pool, seq = src.allocator, type(src)(seq_id, src.allocator)  # a Sequence like src
     full, partial = divmod(num_tokens, pool.block_size)
     tail = [pool.share_tail(src.block_table[full])] if partial > 0 else []  # may raise: first
-    seq.block_table.extend([*(pool.share(block) for block in src.block_table[:full]), *tail])
+    seq.block_table.extend([*pool.share_blocks(src.block_table[:full]), *tail])
     seq.tokens.extend(src.tokens[:num_tokens])
     return seq
 
@@ -579,7 +590,7 @@ def block_map(allocator, sequences):
 
 # The four classic pitfalls, (name, method, a line of it, the bug): README's "Break it" edits.
 PITFALLS = [
-    ("freeing a shared block", BlockAllocator.free_blocks, "if self.ref_cnt[block] == 0:",
+    ("freeing a shared block", BlockAllocator.free_blocks, "if ref_cnt[block] == 0:",
      "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
      "self.block_table[-1] = self.allocator.copy_block(shared)", "return shared"),
@@ -726,8 +737,9 @@ def demo_sharing(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # A server finds shared prefixes by itself: it remembers full blocks, a new prompt reuses the
 # longest run of its leading blocks remembered, and freed cached blocks wait, KV and all, until
-# memory is needed. The index that finds them has two seams: vLLM's hash chain evicts a
-# block at a time, as a block policy names (6a, 6c); SGLang's radix tree, whole leaves (6b).
+# memory is needed. The pool tells one index of each cache event, once: a prompt's match and
+# its lock, blocks to insert, a release, evict(n), check. Two indexes: vLLM's hash chain evicts
+# a block at a time, as a block policy names (6a, 6c); SGLang's radix tree, whole leaves (6b).
 
 # 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
@@ -745,12 +757,13 @@ def hash_block_tokens(parent_hash, token_ids):
 
 
 class LRU:
-    """A block policy: told when a block is cached, freed (evictable) or hit (in use again),
-    it names the victim; now counts prompts admitted; len and `in`: its evictable blocks.
-    LRU's evictable, least recently freed first, is vLLM's free queue: its head goes."""
+    """A block policy. Told when a block is inserted (cached), when blocks are added to the
+    evictable ones (their last reference freed, tail first) or removed from them (in use again),
+    it names the victim; now counts prompts admitted; len and `in`: the evictable blocks. LRU's,
+    least recently added first, is vLLM's free queue: its head goes."""
 
     def __init__(self):
-        self.evictable = OrderedDict()  # block -> None, least recently freed first
+        self.evictable = OrderedDict()  # block -> None, least recently added first
 
     def __len__(self):
         return len(self.evictable)
@@ -758,14 +771,15 @@ class LRU:
     def __contains__(self, block):
         return block in self.evictable
 
-    def cached(self, block, token_ids):  # LRU does not care when
+    def insert(self, block, token_ids):  # LRU does not care when
         pass
 
-    def freed(self, block, now):
-        self.evictable[block] = None
+    def add(self, blocks, now):
+        self.evictable.update(dict.fromkeys(blocks))
 
-    def hit(self, block):
-        del self.evictable[block]
+    def remove(self, blocks):
+        for block in blocks:
+            del self.evictable[block]
 
     def victim(self, now):
         return self.evictable.popitem(last=False)[0]
@@ -775,65 +789,73 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 
 class HashIndex:
-    """vLLM's index: cached, block hash -> the one block offered for it; block_hash, every full
-    block in use or cached -> its hash; victims named by policy (a POLICIES name, or an object).
-    Every index: match, insert, hit, release (True: it stays, evictable), evict(n) or more
-    blocks, holds(block), check; len: its evictable blocks."""
+    """vLLM's index: block_of, block hash -> the one block offered for it (vLLM's
+    cached_block_hash_to_block); block_hash, every full block in use or cached -> its hash; its
+    evictable blocks and victims are policy's (a POLICIES name, or an object). Every index has
+    the events match, lock, insert, release, evict(n), check; holds(block); len: the evictable."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
         self.policy = POLICIES[policy]() if isinstance(policy, str) else policy
-        self.cached, self.block_hash = {}, {}  # cached: vLLM's cached_block_hash_to_block
+        self.block_of, self.block_hash = {}, {}
 
     def __len__(self):
         return len(self.policy)
 
     def match(self, token_ids):
-        """(cached blocks of the prompt's leading full blocks, tokens they hold, look-ups)."""
+        """(cached blocks of the prompt's leading full blocks, hashes looked up); changes nothing."""
         size, blocks, parent = self.block_size, [], None
         for k in range(len(token_ids) // size):
             parent = hash_block_tokens(parent, token_ids[k * size:(k + 1) * size])
-            if parent not in self.cached:
-                return blocks, len(blocks) * size, k + 1
-            blocks.append(self.cached[parent])
-        return blocks, len(blocks) * size, len(blocks)
+            if parent not in self.block_of:
+                return blocks, k + 1
+            blocks.append(self.block_of[parent])
+        return blocks, len(blocks)
 
-    def insert(self, table, tokens, first, last, now):
-        """Remember the full ones of blocks first..last-1 of table, which hold tokens. NOTE: if
-        another block holds a block's tokens already, it stays the one (vLLM v1 keeps both)."""
-        size = self.block_size
+    def lock(self, blocks, revived, now):
+        """A prompt uses blocks; revived ones were evictable (vLLM's touch)."""
+        self.policy.remove(revived)
+
+    def insert(self, table, tokens, first, last, now, decode):
+        """Remember the full ones of blocks first..last-1 of table, which hold tokens; returns []:
+        no block to swap. NOTE: if another block holds a block's tokens already, it stays the one
+        offered (vLLM v1 keeps both, and offers the first)."""
+        size, parent = self.block_size, self.block_hash[table[first - 1]] if first > 0 else None
         for k in range(first, min(last, len(tokens) // size)):
-            parent = self.block_hash[table[k - 1]] if k > 0 else None
-            block_hash = hash_block_tokens(parent, tokens[k * size:(k + 1) * size])
-            self.block_hash[table[k]] = block_hash
-            if block_hash not in self.cached:
-                self.cached[block_hash] = table[k]
-                self.policy.cached(table[k], tokens[k * size:(k + 1) * size])
+            chunk = tokens[k * size:(k + 1) * size]
+            parent = hash_block_tokens(parent, chunk)
+            self.block_hash[table[k]] = parent
+            if parent not in self.block_of:
+                self.block_of[parent] = table[k]
+                self.policy.insert(table[k], chunk)
+        return []
 
     def holds(self, block):
-        return self.cached.get(self.block_hash.get(block)) == block
+        return self.block_of.get(self.block_hash.get(block)) == block
 
-    def hit(self, block, revived, now):
-        if revived:
-            self.policy.hit(block)
-
-    def release(self, block, now):
-        if self.holds(block):
-            self.policy.freed(block, now)
-            return True
-        self.block_hash.pop(block, None)  # a block no hash chains from any more
-        return False
+    def release(self, blocks, free, now):
+        """A table's blocks were freed (free: those nobody references now, tail first); the ones
+        offered become evictable, the rest are returned."""
+        block_of, block_hash, kept, rest = self.block_of, self.block_hash, [], []
+        for block in free:
+            if block_of.get(block_hash.get(block)) == block:  # holds(block), inline: a hot loop
+                kept.append(block)
+            else:
+                block_hash.pop(block, None)  # a block no hash chains from any more
+                rest.append(block)
+        self.policy.add(kept, now)
+        return rest
 
     def evict(self, n, now):
         victims = [self.policy.victim(now) for _ in range(n)]
         for block in victims:
-            del self.cached[self.block_hash.pop(block)]
+            del self.block_of[self.block_hash.pop(block)]
         return victims
 
     def check(self, in_use):  # the evictable blocks, checked against the policy's
-        evictable = [block for block in self.cached.values() if block not in in_use]
+        evictable = [block for block in self.block_of.values() if block not in in_use]
         expect(len(evictable) == len(self.policy) and all(b in self.policy for b in evictable),
                "cache: the policy's evictable blocks are not the cached blocks nobody uses")
         return evictable
@@ -850,20 +872,22 @@ class CacheStats:
     evictions: int = 0  # times the pool had to evict to hand out blocks
     evicted: int = 0    # cached blocks those evictions freed
     beyond: int = 0     # of them, blocks freed beyond what the eviction needed
-    work: int = 0       # the index's work: dict look-ups (hash) or child look-ups (radix)
+    work: int = 0       # the index's work: hashes looked up (hash) or children (radix)
 
 
 class PrefixCachingAllocator(BlockAllocator):
-    """A block pool that remembers full blocks, so later prompts with the same tokens reuse
-    them. index: a name in INDEXES (ValueError otherwise), made with policy; or an index
-    object, which brings its own. Invariant: a block the index offers is in use or
-    evictable: free (counted in num_free; vLLM: in the free queue, hash and all) but kept."""
+    """A block pool that remembers full blocks, so later prompts with the same tokens reuse them.
+    index: a name in INDEXES, made with policy (ValueError otherwise). The pool tells it of each
+    cache event once: a prompt's match and lock (share_cached_prefix), blocks to insert
+    (cache_blocks), a release (free_blocks), evict(n) (allocate), check (audit_kept). Invariant: a
+    block the index offers is in use or evictable: free (counted in num_free; vLLM: in the free
+    queue, hash and all) but kept."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
-        if isinstance(index, str) and index not in INDEXES:
+        if index not in INDEXES:
             raise ValueError(f"index must be one of {', '.join(INDEXES)}, got {index!r}")
-        self.index = INDEXES[index](block_size, policy) if isinstance(index, str) else index
+        self.index = INDEXES[index](block_size, policy)
         self.stats = CacheStats()
 
     hits = property(lambda self: self.stats.hits)
@@ -877,21 +901,31 @@ class PrefixCachingAllocator(BlockAllocator):
         = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are
         checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1) to
         compute the last logits; this lab reuses every block it finds."""
-        blocks, reused, work = self.index.match(token_ids)
+        blocks, work = self.index.match(token_ids)
+        reused = len(blocks) * self.block_size
         check_tokens(token_ids[reused:])
-        revived = [block not in self.ref_cnt for block in blocks]
-        self.ensure_free(cdiv(len(token_ids), self.block_size) - len(blocks) + sum(revived))
+        revived = [block for block in blocks if block not in self.ref_cnt]
+        self.ensure_free(cdiv(len(token_ids), self.block_size) - len(blocks) + len(revived))
         self.stats.hits += len(blocks)
         self.stats.misses += len(token_ids) // self.block_size - len(blocks)
         self.stats.prompts += 1
         self.stats.work += work
-        for block, was_free in zip(blocks, revived):
-            self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
-            self.index.hit(block, was_free, self.stats.prompts)
+        self.take(blocks)
+        self.index.lock(blocks, revived, self.stats.prompts)
         return blocks, reused
 
-    def cache_blocks(self, table, tokens, first, last):
-        self.index.insert(table, tokens, first, last, self.stats.prompts)
+    def take(self, blocks):
+        """One more reference to each of blocks: shared if in use, else (evictable) its first.
+        NOTE: the pool sets that one itself: share() refuses a free block, allocate() takes any."""
+        revived = [block for block in blocks if block not in self.ref_cnt]
+        self.share_blocks([block for block in blocks if block in self.ref_cnt])
+        self.ref_cnt.update(dict.fromkeys(revived, 1))
+
+    def cache_blocks(self, table, tokens, first, last, decode=False):
+        for k, block in self.index.insert(table, tokens, first, last, self.stats.prompts, decode):
+            self.take([block])  # the index holds block k's tokens in block: ours is a duplicate
+            self.free_blocks([table[k]])
+            table[k] = block
 
     def share_tail(self, block):
         # NOTE: cached KV is never written: a partly shared block is copied (vLLM v1: never shared)
@@ -901,30 +935,28 @@ class PrefixCachingAllocator(BlockAllocator):
         return self.index.check(self.ref_cnt)
 
     def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
-        ref_cnt, release, now = self.ref_cnt, self.index.release, self.stats.prompts
-        for block in blocks:
-            if ref_cnt[block] > 1:
-                ref_cnt[block] -= 1
-            else:
-                del ref_cnt[block]
-                if not release(block, now):
-                    self.free_block_ids.append(block)
+        blocks, given_back = list(blocks), len(self.free_block_ids)
+        super().free_blocks(blocks)
+        free = self.free_block_ids[given_back:]
+        del self.free_block_ids[given_back:]
+        self.free_block_ids += self.index.release(blocks, free, self.stats.prompts)
 
-    def allocate(self):  # NOTE: uncached free blocks first; vLLM pops one queue of both
-        if len(self.free_block_ids) == 0 and self.next_unused == self.num_blocks:
-            return self.allocate_many(1)[0]  # which evicts
-        return super().allocate()
+    def allocate_many(self, n):  # NOTE: uncached free blocks first; vLLM pops one queue of both
+        self.ensure_free(check_int(n, "n", 0))  # the check, before any eviction
+        self.evict(n)
+        return super().allocate_many(n)
 
-    def allocate_many(self, n):  # one eviction for the lot, as SGLang's evict(num_tokens)
-        self.ensure_free(check_int(n, "n", 0))  # the check, before the eviction
-        short = n - len(self.free_block_ids) - (self.num_blocks - self.next_unused)
-        if short > 0:  # too few free blocks that no cache entry holds
+    def evict(self, n):
+        """Evict cached blocks until n free blocks are no cache entry's: the shortfall, as SGLang's
+        evict_from_tree_cache (mem_cache/common.py) and mini-sglang; NOTE: SGLang evicted the
+        whole need, evict(num_tokens), before it (at commit 2752c82, say)."""
+        short = n - (self.num_free - len(self.index))
+        if short > 0:
             freed = self.index.evict(short, self.stats.prompts)
             self.stats.evictions += 1
             self.stats.evicted += len(freed)
             self.stats.beyond += len(freed) - short
             self.free_block_ids.extend(reversed(freed))  # the first victim is handed out first
-        return [BlockAllocator.allocate(self) for _ in range(n)]
 
 
 # 6b. The radix tree ---------------------------------------------------------------------
@@ -964,14 +996,14 @@ class LazyHeap:
 
 
 class RadixNode:
-    """A run of blocks: tokens, blocks, children (by their first block's tokens), parent, depth
-    (blocks above), lock_ref (its blocks in use: its first ones), last_access (the pool's clock), id
-    (as SGLang's, numbered as made: FIFO's creation time, and any tie's, lower first)."""
+    """A run of cached blocks: tokens, blocks, children (by their first block's tokens), parent,
+    depth (blocks above it), last_access (the tree's clock at its last touch), id (numbered as
+    made, as SGLang's TreeNode: FIFO's priority and every tie's), growing (a decode run)."""
     ids = itertools.count()
 
-    def __init__(self, parent, depth, now):
+    def __init__(self, parent, depth, now, growing=False):
         self.parent, self.depth, self.tokens, self.blocks, self.children = parent, depth, [], [], {}
-        self.lock_ref, self.last_access, self.id = 0, now, next(RadixNode.ids)
+        self.last_access, self.id, self.growing = now, next(RadixNode.ids), growing
 
 
 PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py: the leaf of
@@ -979,29 +1011,30 @@ PRIORITIES = {"lru": lambda node: node.last_access,  # SGLang's evict_policy.py:
 
 
 class RadixIndex:
-    """SGLang's index: a radix tree of cached blocks whose leaves go whole, lowest priority
-    first (policy: a name in PRIORITIES, else ValueError). Example, block_size 2, 6 blocks, LRU:
-        a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2), an evictable leaf
-        b = [1 2 3 4 7 8]          hits 0 1, locks them (inc_lock_ref); [7 8] splits the node
-                                   (_split_node): root -> [1 2 3 4] -> {[5 6], [7 8]}
-        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unlocked leaf
-        b, c freed; d = [20 .. 25] evict(3): [7 8], the oldest leaf; then its parent, a leaf now
-    NOTE: match neither splits nor touches (SGLang's does): a refused prompt changes nothing. A
-    block whose tokens the tree holds elsewhere stays out, with the rest of its table (SGLang
-    frees it); a lone pool.share of a cached block breaks the locks. State: root; node_of, block
-    -> node; leaves, a LazyHeap of the candidate leaves; locked, blocks in use (protected_size_)."""
+    """SGLang's index (RadixCache): a radix tree of cached blocks whose unused leaves go whole,
+    lowest priority first (policy: a name in PRIORITIES, else ValueError). A node is used or not,
+    whole: SGLang's lock_ref, the sequences using a node, is here its first block's ref-count (a
+    sequence holds its path from the root), and where a use ends inside a node, it splits.
+    Example, block_size 2, 6 blocks, LRU:
+        a = [1 2 3 4 5 6], freed   root -> [1 2 3 4 5 6] (blocks 0 1 2), an unused leaf
+        b = [1 2 3 4 7 8]          hits 0 1, which end inside the node: it splits (_split_node),
+                                   root -> [1 2 3 4] -> {[5 6], [7 8]}
+        c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unused leaf
+        b, c freed; d = [20 .. 25] evict(3): [7 8], touched before c's leaf; then its parent
+    State: root; node_of, block -> node; free, its blocks nobody uses (SGLang's evictable_size_);
+    leaves, a LazyHeap of the unused leaves by (priority, id); clock, touches so far."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
             raise ValueError(f"a leaf priority is one of {', '.join(PRIORITIES)}, got {policy!r}")
         self.block_size, self.policy, self.root = block_size, policy, RadixNode(None, 0, 0)
-        self.node_of, self.leaves, self.locked = {}, LazyHeap(), 0
+        self.node_of, self.free, self.leaves, self.clock = {}, set(), LazyHeap(), 0
 
     def __len__(self):  # SGLang's evictable_size_
-        return len(self.node_of) - self.locked
+        return len(self.free)
 
     def match(self, token_ids):
-        """As HashIndex.match, in child look-ups; it compares tokens, so it checks them."""
+        """As HashIndex.match, in children looked up; it compares tokens, so it checks them."""
         token_ids = check_tokens(token_ids)  # a list: a tuple's slices never equal a node's
         size, node, blocks, work = self.block_size, self.root, [], 0
         for k in range(len(token_ids) // size):
@@ -1011,83 +1044,130 @@ class RadixIndex:
             if node is None or node.tokens[i * size:(i + 1) * size] != chunk:
                 break
             blocks.append(node.blocks[i])
-        return blocks, len(blocks) * size, work
+        return blocks, work
 
-    def insert(self, table, tokens, first, last, now):
-        """Hang the full ones of blocks first..last-1 of table after block first - 1: a leaf
-        grows, or a new leaf hangs where they branch off (splitting a node if inside it)."""
+    def lock(self, blocks, revived, now):
+        """As SGLang's match_prefix and inc_lock_ref: touch the path, split where the match ends."""
+        self.free.difference_update(revived)
+        if len(blocks) > 0:
+            node = self.touch(self.node_of[blocks[-1]])
+            if len(blocks) - node.depth < len(node.blocks):
+                self.split(node, len(blocks) - node.depth)
+            else:
+                node.growing = False  # a decode run another sequence ends in grows no more
+
+    def insert(self, table, tokens, first, last, now, decode):
+        """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
+        insert: a node for them where they branch off (split if inside a node), unless decode
+        fills grow the node a decode run began (SGLang inserts it when the sequence finishes).
+        A block whose tokens the tree holds there is a duplicate: returns (k, the tree's block)
+        for each, for the pool to swap in, as SGLang frees its own and keeps the tree's."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
-            return  # nothing to insert, or the block before stayed out
-        i, chunk = first - node.depth, tokens[first * size:(first + 1) * size]
-        if i < len(node.blocks) and node.tokens[i * size:(i + 1) * size] != chunk:
-            node = self.split(node, i)  # it branches off inside a node
-        if i < len(node.blocks) or tuple(chunk) in node.children:
-            return  # the tree holds these tokens in another block
-        if len(node.children) > 0 or node is self.root:  # else a leaf: it grows
-            node.children[tuple(chunk)] = node = RadixNode(node, node.depth + len(node.blocks), now)
-        node.tokens += tokens[first * size:last * size]
-        node.blocks += table[first:last]
-        node.last_access = now
-        self.node_of.update(dict.fromkeys(table[first:last], node))
-        self.update(node, last - first)  # every block inserted is in use
+            return []  # nothing to insert, or the block before stayed out
+        node, i, dups = self.touch(node), first - node.depth, []
+        for k in range(first, last):
+            chunk = tokens[k * size:(k + 1) * size]
+            if i < len(node.blocks) and node.tokens[i * size:(i + 1) * size] != chunk:
+                node = self.split(node, i)  # it branches off inside a node
+            if i == len(node.blocks) and tuple(chunk) in node.children:
+                node, i = node.children[tuple(chunk)], 0
+                node.last_access = self.clock
+            if i < len(node.blocks):  # the tree holds these tokens already: a duplicate
+                dups.append((k, node.blocks[i]))
+                i += 1
+                continue
+            if not (decode and node.growing and len(node.children) == 0):
+                node.children[tuple(chunk)] = node = RadixNode(
+                    node, node.depth + len(node.blocks), self.clock, decode)
+                self.update(node.parent)
+            node.tokens += tokens[k * size:last * size]
+            node.blocks += table[k:last]
+            self.node_of.update(dict.fromkeys(table[k:last], node))
+            break
+        else:
+            if i < len(node.blocks):
+                self.split(node, i)  # the duplicates end inside a node
+        self.free.difference_update(block for _, block in dups)  # the pool takes them
+        for _, block in dups:
+            self.update(self.node_of[block])
+        return dups
+
+    def touch(self, node):
+        """The path from node to the root gets the clock's next tick (SGLang's last_access_time,
+        one per walk); returns node."""
+        self.clock += 1
+        on_path = node
+        while on_path is not self.root:
+            on_path.last_access = self.clock
+            self.update(on_path)
+            on_path = on_path.parent
+        return node
 
     def split(self, node, i):
-        """SGLang's _split_node: a new parent takes blocks 0..i-1, their locks and last_access."""
+        """SGLang's _split_node: a new parent takes blocks 0..i-1 and last_access."""
         size, head = self.block_size, RadixNode(node.parent, node.depth, node.last_access)
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
         node.parent.children[tuple(node.tokens[:size])] = head
         head.children[tuple(node.tokens[i * size:(i + 1) * size])] = node
         del node.tokens[:i * size], node.blocks[:i]
-        head.lock_ref, node.lock_ref = min(node.lock_ref, i), max(0, node.lock_ref - i)
         node.parent, node.depth = head, node.depth + i
         self.node_of.update(dict.fromkeys(head.blocks, head))
+        self.update(node)
         return head
 
     def holds(self, block):
         return block in self.node_of
 
-    def hit(self, block, revived, now):  # SGLang: inc_lock_ref, and the access time
-        self.node_of[block].last_access = now
-        self.update(self.node_of[block], 1 if revived else 0)
+    def release(self, blocks, free, now):
+        """A table's blocks were freed (tail first; free: those nobody references now). As SGLang's
+        cache_finished_req, its path is touched: LRU orders paths by finish. The tree's free
+        blocks stay, evictable; a node a sequence still uses the start of splits there; returns
+        the rest."""
+        deepest = next((self.node_of[block] for block in blocks if block in self.node_of), None)
+        if deepest is not None:
+            self.touch(deepest)
+        kept = [block for block in free if block in self.node_of]
+        self.free.update(kept)
+        for node in {self.node_of[block]: None for block in kept}:
+            used = len(node.blocks)
+            while used > 0 and node.blocks[used - 1] in self.free:
+                used -= 1
+            if used > 0:
+                self.split(node, used)  # a fork still uses the node's first blocks
+            self.update(node)
+        return [block for block in free if block not in self.node_of]
 
-    def release(self, block, now):  # SGLang: dec_lock_ref (the access time stays)
-        if self.holds(block):
-            self.update(self.node_of[block], -1)
-        return self.holds(block)
-
-    def update(self, node, locks=0):  # add locks (+ or -); a candidate: a leaf with a free block
-        node.lock_ref += locks
-        self.locked += locks
-        if len(node.children) == 0 and node.lock_ref < len(node.blocks):  # SGLang: lock_ref == 0
+    def update(self, node):  # SGLang's _update_leaf_status: a candidate is an unused leaf
+        if len(node.children) == 0 and node.blocks[0] in self.free:
             self.leaves.push(node, (PRIORITIES[self.policy](node), node.id))
         else:
             self.leaves.discard(node)
 
     def evict(self, n, now):
-        """SGLang's evict: lowest-priority leaves until >= n blocks are free, but locked blocks."""
+        """SGLang's evict: unused leaves, lowest priority first, until n or more blocks are free."""
         freed = []
         while len(freed) < n:
             node = self.leaves.pop()
-            freed += node.blocks[node.lock_ref:]
-            if node.lock_ref == 0:
-                del node.parent.children[tuple(node.tokens[:self.block_size])]
+            freed += node.blocks
+            del node.parent.children[tuple(node.tokens[:self.block_size])]
+            if node.parent is not self.root:
                 self.update(node.parent)
-            del node.blocks[node.lock_ref:], node.tokens[node.lock_ref * self.block_size:]
         for block in freed:
             del self.node_of[block]
+        self.free.difference_update(freed)
         return freed
 
-    def check(self, in_use):  # lock_ref and the candidates against in_use; the evictable
-        for node in set(self.node_of.values()):
-            used = [block in in_use for block in node.blocks]
-            expect(used == sorted(used, reverse=True) and sum(used) == node.lock_ref and (
-                node in self.leaves) == (len(node.children) == 0 and not all(used)),
-                "radix: a node's lock_ref or candidacy disagrees with its blocks in use")
-        evictable = [block for block in self.node_of if block not in in_use]
-        expect(len(evictable) == len(self), "radix: evictable blocks miscounted")
-        return evictable
+    def check(self, in_use):  # each node used whole or not, the candidates; the evictable
+        for node in {node: None for node in self.node_of.values()}:
+            used = {block in in_use for block in node.blocks}
+            expect(len(used) == 1 and (node in self.leaves) == (len(node.children) == 0 and
+                                                              True not in used),
+                   "radix: a node is used in part, or its candidacy disagrees with its use")
+        expect(self.free == {block for block in self.node_of if block not in in_use},
+               "radix: the free blocks are not the tree's blocks nobody uses")
+        return list(self.free)
 
 
 INDEXES["radix"] = RadixIndex
@@ -1097,19 +1177,21 @@ INDEXES["radix"] = RadixIndex
 
 class FIFO(LRU):
     """Evict the block cached longest ago, whatever its reuse since: a hit does not save it.
-    evictable is a LazyHeap keyed by when each block was cached."""
+    evictable is a LazyHeap keyed by when each block was inserted (inserted: blocks so far)."""
 
     def __init__(self):
-        self.evictable, self.since, self.clock = LazyHeap(), {}, itertools.count()
+        self.evictable, self.since, self.inserted = LazyHeap(), {}, 0
 
-    def cached(self, block, token_ids):
-        self.since[block] = next(self.clock)
+    def insert(self, block, token_ids):
+        self.since[block], self.inserted = self.inserted, self.inserted + 1
 
-    def freed(self, block, now):
-        self.evictable.push(block, self.since[block])
+    def add(self, blocks, now):
+        for block in blocks:
+            self.evictable.push(block, self.since[block])
 
-    def hit(self, block):
-        self.evictable.discard(block)
+    def remove(self, blocks):
+        for block in blocks:
+            self.evictable.discard(block)
 
     def victim(self, now):
         return self.evictable.pop()
@@ -1133,24 +1215,27 @@ class S3FIFO(LRU):
     def __contains__(self, block):
         return block in self.small or block in self.main
 
-    def cached(self, block, token_ids):
+    def insert(self, block, token_ids):
         self.content[block] = tuple(token_ids)
-        self.in_main[block] = self.ghost.pop(self.content[block], False)  # remembered: to main
+        self.in_main[block] = self.content[block] in self.ghost  # remembered: to main
+        self.ghost.pop(self.content[block], None)
         self.hits[block] = 0
 
-    def freed(self, block, now):
-        (self.main if self.in_main[block] else self.small)[block] = None
+    def add(self, blocks, now):
+        for block in blocks:
+            (self.main if self.in_main[block] else self.small)[block] = None
 
-    def hit(self, block):
-        del (self.main if self.in_main[block] else self.small)[block]
-        self.hits[block] = min(3, self.hits[block] + 1)
+    def remove(self, blocks):
+        for block in blocks:
+            del (self.main if self.in_main[block] else self.small)[block]
+            self.hits[block] = min(3, self.hits[block] + 1)
 
     def victim(self, now):
         while True:  # ends: each pass evicts, or moves a block to main, or lowers a count
             if len(self.small) >= 0.1 * len(self):  # always, when main is empty
                 block = self.small.popitem(last=False)[0]
                 if self.hits[block] < 2:
-                    self.ghost[self.content[block]] = True  # True: cached() pops it as in_main
+                    self.ghost[self.content[block]] = None
                     while len(self.ghost) > max(1, len(self.main)):
                         self.ghost.popitem(last=False)
                     return block
@@ -1997,39 +2082,41 @@ def trace_decode_len(request, block_size):
 
 class Lookahead(LRU):
     """A scheduler that sees the next `window` prompts: evict the evictable block whose next
-    use among them is farthest; blocks none of them uses go first, least recently freed first.
+    use among them is farthest; blocks none of them uses go first, least recently added first.
     future maps a block's tokens (a tuple) to the prompt numbers using them; the replay builds
     it. Lookahead(0) is LRU; Lookahead(math.inf) is Belady's optimum (NOTE: a parent's next
     use is never after its child's, and the tie goes to the child, freed first).
-    State: evictable, block -> (next use, when freed); order, those used outside the window,
+    State: evictable, block -> (next use, when added); order, those used outside the window,
     LRU first; near, a LazyHeap of the rest, farthest use first; later, order's blocks with a
     use, nearest first, moved to near as the window reaches them."""
 
     def __init__(self, window, future=None):
         self.window, self.future, self.uses = window, future, {}  # block -> its tokens' uses
         self.evictable, self.order = {}, OrderedDict()
-        self.near, self.later, self.count = LazyHeap(), LazyHeap(), itertools.count()
+        self.near, self.later, self.added = LazyHeap(), LazyHeap(), 0  # added: blocks so far
 
-    def cached(self, block, token_ids):
+    def insert(self, block, token_ids):
         self.uses[block] = self.future.get(tuple(token_ids), ())
 
-    def freed(self, block, now):
-        uses = self.uses[block]
-        i = bisect.bisect_left(uses, now)  # the first use after the prompts admitted so far
-        use, seq = uses[i] if i < len(uses) else math.inf, next(self.count)
-        self.evictable[block] = (use, seq)
-        if use < now + self.window:
-            self.near.push(block, (-use, seq))
-        else:
-            self.order[block] = None
-            if use < math.inf:
-                self.later.push(block, (use, seq))
+    def add(self, blocks, now):
+        for block in blocks:
+            uses = self.uses[block]
+            i = bisect.bisect_left(uses, now)  # the first use after the prompts admitted so far
+            use, seq = uses[i] if i < len(uses) else math.inf, self.added
+            self.evictable[block], self.added = (use, seq), self.added + 1
+            if use < now + self.window:
+                self.near.push(block, (-use, seq))
+            else:
+                self.order[block] = None
+                if use < math.inf:
+                    self.later.push(block, (use, seq))
 
-    def hit(self, block):
-        del self.evictable[block]
-        self.order.pop(block, None)
-        self.near.discard(block)
-        self.later.discard(block)
+    def remove(self, blocks):
+        for block in blocks:
+            del self.evictable[block]
+            self.order.pop(block, None)
+            self.near.discard(block)
+            self.later.discard(block)
 
     def victim(self, now):
         while len(self.later) > 0 and self.later.peek()[0][0] < now + self.window:  # in view
@@ -2038,7 +2125,7 @@ class Lookahead(LRU):
             use, seq = self.evictable[block]
             self.near.push(block, (-use, seq))
         block = self.order.popitem(last=False)[0] if len(self.order) > 0 else self.near.pop()
-        self.hit(block)  # it leaves the evictable blocks as a hit block does
+        self.remove([block])
         return block
 
 
@@ -2242,10 +2329,9 @@ class Fleet:
     def fetch(self, blocks):  # seconds to move blocks from another instance
         return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
 
-    def cached(self, i, hashes):
-        """The leading blocks of a prompt (its chained block hashes) instance i has cached."""
-        index = self.instances[i].pool.index
-        return next((k for k, h in enumerate(hashes) if h not in index.cached), len(hashes))
+    def reuse(self, i, prompt):
+        """The leading blocks of prompt instance i holds, as its index matches them."""
+        return len(self.instances[i].pool.index.match(prompt)[0])
 
     def load(self, i, now):  # requests queued or in prefill: what a router counts
         done = self.instances[i].done
@@ -2254,16 +2340,16 @@ class Fleet:
         return len(done)
 
 
-def schedule_random(fleet, request, hashes, now):
+def schedule_random(fleet, request, prompt, now):
     return fleet.rng.randrange(len(fleet.instances)), None
 
 
-def schedule_load(fleet, request, hashes, now):
+def schedule_load(fleet, request, prompt, now):
     """The least queued work."""
     return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now)), None
 
 
-def schedule_cache_aware(fleet, request, hashes, now):
+def schedule_cache_aware(fleet, request, prompt, now):
     """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than
     64 requests over the idlest and 1.5 times as many; else the replica whose past requests
     share the longest prefix, if it covers more than 30% of the prompt; else the one that
@@ -2281,16 +2367,16 @@ def schedule_cache_aware(fleet, request, hashes, now):
     return sizes.index(min(sizes)), None
 
 
-def schedule_local(fleet, request, hashes, now):
+def schedule_local(fleet, request, prompt, now):
     """Mooncake's Algorithm 1 with each instance's own prefix: the least queue + prefill."""
     return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now) + fleet.prefill(
-        request.input_length, TRACE_ID_TOKENS * fleet.cached(i, hashes))), None
+        request.input_length, TRACE_ID_TOKENS * fleet.reuse(i, prompt))), None
 
 
-def schedule_global(fleet, request, hashes, now):
+def schedule_global(fleet, request, prompt, now):
     """Algorithm 1 with the best prefix anywhere: an instance fetches it when it beats its own
     by more than FETCH_THRESHOLD blocks; the least transfer + queue + prefill."""
-    cached = [fleet.cached(i, hashes) for i in range(len(fleet.instances))]
+    cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
     best, estimates = max(cached), []
     for i, own in enumerate(cached):
         reuse = best if best - own > FETCH_THRESHOLD else own
@@ -2323,10 +2409,8 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
     fleet, ttfts, reused, blocks = Fleet(instances, cache_blocks, efficiency, seed), [], 0, 0
     for number, request in enumerate(requests):
         now, prompt = request.timestamp / 1000, trace_prompt(request, 1)  # a token an id
-        hashes = list(itertools.accumulate(prompt, lambda h, t: hash_block_tokens(h, [t]),
-                                           initial=NONE_HASH))[1:]  # each block's, chained
-        i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, hashes, now)
-        own, instance = fleet.cached(i, hashes), fleet.instances[i]
+        i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, prompt, now)
+        own, instance = fleet.reuse(i, prompt), fleet.instances[i]
         reuse = own if reuse is None else reuse
         work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
         instance.free_at = max(now + fleet.fetch(reuse - own), instance.free_at) + work

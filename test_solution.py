@@ -654,7 +654,7 @@ class TestPart6aHashChain:
         pool = caching(lab, 12, block_size)
         lab.fuzz(pool, random.Random(seed), 600)
         pool.allocate_many(12)  # evicts every cached block
-        assert pool.num_cached == 0 and pool.index.cached == {} and pool.index.block_hash == {}
+        assert pool.num_cached == 0 and pool.index.block_of == {} and pool.index.block_hash == {}
 
     @pytest.mark.parametrize("corrupt", ["lost", "in use"])
     def test_the_audit_finds_a_policy_that_disagrees_with_the_evictable_blocks(self, lab,
@@ -689,21 +689,18 @@ def tree_shape(node):
 
 def brute_evict(index, n, in_use):
     """What whole-leaf eviction must free, found by scanning every node of index (changed):
-    the candidate leaf of lowest priority first, each but its blocks in in_use."""
+    the unused leaf (no block in in_use) of lowest priority first, whole."""
     freed = []
     while len(freed) < n:
         nodes = [index.root]
         for node in nodes:
             nodes += node.children.values()
         leaf = min((node for node in nodes[1:] if len(node.children) == 0
-                    and any(block not in in_use for block in node.blocks)),
+                    and not any(block in in_use for block in node.blocks)),
                    key=lambda node: (node.id if index.policy == "fifo" else node.last_access,
                                      node.id))
-        keep = sum(block in in_use for block in leaf.blocks)
-        freed += leaf.blocks[keep:]
-        del leaf.blocks[keep:]
-        if keep == 0:
-            del leaf.parent.children[next(k for k, c in leaf.parent.children.items() if c is leaf)]
+        freed += leaf.blocks
+        del leaf.parent.children[next(k for k, c in leaf.parent.children.items() if c is leaf)]
     return freed
 
 
@@ -717,7 +714,7 @@ class TestPart6bRadixTree:
         b = lab.Sequence("b", pool, [1, 2, 3, 4, 7, 8])
         assert pool.hits == 2 and list(b.block_table) == [0, 1, 3]
         assert tree_shape(tree.root) == {(1, 2, 3, 4): {(5, 6): {}, (7, 8): {}}}
-        assert [tree.node_of[block].lock_ref for block in (0, 2, 3)] == [2, 0, 1]
+        assert [tree.node_of[block] in tree.leaves for block in (0, 2, 3)] == [False, True, False]
         c = lab.Sequence("c", pool, range(10, 16))  # blocks 4, 5, then the one evicted: 2
         assert (pool.stats.evictions, pool.stats.evicted) == (1, 1) and 2 in c.block_table
         assert tree_shape(tree.root) == {(1, 2, 3, 4): {(7, 8): {}}, tuple(range(10, 16)): {}}
@@ -734,22 +731,85 @@ class TestPart6bRadixTree:
         lab.Sequence("b", pool, [99, 98])
         assert (pool.stats.evicted, pool.stats.beyond, pool.num_cached) == (8, 7, 0)
 
-    def test_a_lock_on_the_first_blocks_of_a_node_leaves_the_rest_evictable(self, lab):
-        pool = caching(lab, 6, 2, index="radix")
-        a = lab.Sequence("a", pool, range(8))  # one node of 4 blocks
-        x = lab.share_prefix(a, "x", 4)  # holds its first 2
+    def test_decode_blocks_join_a_child_node_so_a_prompt_outlives_its_answer(self, lab):
+        pool = caching(lab, 3, 1, index="radix")  # SGLang inserts the answer at the finish
+        a = lab.Sequence("a", pool, [1, 2])
+        a.append(100)
         a.free()
-        assert pool.index.node_of[x.block_table[0]].lock_ref == 2
-        y = lab.Sequence("y", pool, range(100, 108))  # 2 free blocks, then the node's last 2
-        assert pool.stats.evicted == 2 and x.read() == [0, 1, 2, 3]
-        lab.check_invariants(pool, [x, y])
+        assert tree_shape(pool.index.root) == {(1, 2): {(100,): {}}}
+        lab.Sequence("x", pool, [5]).free()  # evict 1: the leaf [100], not [1 2 100]
+        assert pool.stats.evicted == 1 and lab.Sequence("b", pool, [1, 2, 3]).read() == [1, 2, 3]
+        assert pool.hits == 2
 
-    def test_a_leaf_grows_as_its_sequence_decodes(self, lab):
+    def test_a_decode_run_is_one_node_however_many_blocks_it_fills(self, lab):
         pool = caching(lab, 8, 2, index="radix")
         a = lab.Sequence("a", pool, [1, 2])
         for token in range(3, 9):
             a.append(token)
-        assert tree_shape(pool.index.root) == {(1, 2, 3, 4, 5, 6, 7, 8): {}}
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4, 5, 6, 7, 8): {}}}
+        b = lab.Sequence("b", pool, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # a prompt: a node of its own
+        b.append(10)
+        b.append(11)
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4, 5, 6, 7, 8): {(9, 10): {}}}}
+
+    def test_admission_splits_where_its_match_ends_so_eviction_keeps_the_prefix(self, lab):
+        pool = caching(lab, 4, 1, index="radix")
+        lab.Sequence("a", pool, [1, 2, 3, 4]).free()
+        lab.Sequence("b", pool, [1, 2]).free()  # SGLang's match_prefix splits the node
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4): {}}}
+        lab.Sequence("x", pool, [9])  # evict 1: the leaf [3 4]
+        assert pool.stats.evicted == 2 and tree_shape(pool.index.root) == {(1, 2): {}, (9,): {}}
+
+    def test_a_refused_admission_splits_nothing(self, lab):
+        pool = caching(lab, 4, 1, index="radix")
+        lab.Sequence("a", pool, [1, 2, 3]).free()
+        held = lab.Sequence("held", pool, [7])  # 3 blocks free, all cached
+        refused(lambda: lab.Sequence("b", pool, [1, 5, 6, 7]), lab.OutOfBlocksError, pool, [held])
+        assert tree_shape(pool.index.root) == {(1, 2, 3): {}, (7,): {}}
+
+    def test_eviction_takes_the_shortfall_only_as_sglang_does_now(self, lab):
+        pool = caching(lab, 4, 1, index="radix")
+        for token in (1, 2, 3):
+            lab.Sequence(token, pool, [token]).free()  # 3 one-block leaves, 1 block never used
+        lab.Sequence("d", pool, [5, 6])  # needs 2: the unused block, then the oldest leaf
+        assert (pool.stats.evicted, pool.num_cached) == (1, 2)
+        assert sorted(key[0] for key in pool.index.root.children) == [2, 3, 5]
+
+    def test_a_release_touches_its_path_so_lru_orders_paths_by_finish(self, lab):
+        pool = caching(lab, 4, 1, index="radix")
+        a, b = lab.Sequence("a", pool, [1, 2]), lab.Sequence("b", pool, [3, 4])
+        b.free()
+        a.free()  # a finished last: b's path goes first, though a was admitted first
+        lab.Sequence("x", pool, [9])
+        assert tree_shape(pool.index.root) == {(1, 2): {}, (9,): {}}
+
+    def test_under_fifo_a_node_hung_below_a_cached_one_counts_as_new(self, lab):
+        pool = caching(lab, 6, 1, "fifo", "radix")
+        lab.Sequence("a", pool, [1, 2]).free()
+        lab.Sequence("b", pool, [7, 8]).free()
+        lab.Sequence("c", pool, [1, 2, 3, 4]).free()  # [3 4] is made after [7 8]
+        lab.Sequence("x", pool, [9, 9])
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4): {}}, (9, 9): {}}
+
+    def test_a_duplicate_block_is_freed_and_the_trees_block_used(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
+        a, b = lab.Sequence("a", pool, [1]), lab.Sequence("b", pool, [1])  # nothing full: no hit
+        a.append(2)
+        b.append(2)  # the tree holds [1 2] in a's block: b takes it and frees its own
+        b.extend([3, 4])
+        assert list(a.block_table) == [0] and list(b.block_table) == [0, 1]
+        assert pool.num_used == 2 and tree_shape(pool.index.root) == {(1, 2): {(3, 4): {}}}
+        lab.check_invariants(pool, [a, b])
+
+    def test_a_fork_that_uses_the_start_of_a_node_splits_it_when_the_rest_is_freed(self, lab):
+        pool = caching(lab, 6, 2, index="radix")
+        a = lab.Sequence("a", pool, range(8))  # one node of 4 blocks
+        x = lab.share_prefix(a, "x", 4)  # uses its first 2
+        a.free()
+        assert tree_shape(pool.index.root) == {(0, 1, 2, 3): {(4, 5, 6, 7): {}}}
+        y = lab.Sequence("y", pool, range(100, 108))  # 2 unused blocks, then the free leaf
+        assert pool.stats.evicted == 2 and x.read() == [0, 1, 2, 3]
+        lab.check_invariants(pool, [x, y])
 
     @pytest.mark.parametrize("policy", ["lru", "fifo"])
     def test_eviction_frees_what_a_scan_of_every_leaf_would(self, lab, monkeypatch, policy):
@@ -776,11 +836,15 @@ class TestPart6bRadixTree:
         assert lab.serve(caching(lab, 600, 16), stream).hits == lab.serve(
             caching(lab, 600, 16, index="radix"), stream).hits
 
-    def test_the_audit_finds_a_lock_that_disagrees_with_the_blocks_in_use(self, lab):
+    @pytest.mark.parametrize("corrupt", ["free", "leaf"])
+    def test_the_audit_finds_a_tree_that_disagrees_with_the_blocks_in_use(self, lab, corrupt):
         pool = caching(lab, 4, 2, index="radix")
         seq = lab.Sequence("a", pool, range(4))
         lab.audit(pool)
-        pool.index.node_of[seq.block_table[0]].lock_ref = 1  # its last block looks free
+        if corrupt == "free":
+            pool.index.free.add(seq.block_table[1])  # in use, yet evictable
+        else:
+            pool.index.leaves.push(pool.index.node_of[seq.block_table[0]], (0, 0))
         with pytest.raises(AssertionError):
             lab.audit(pool)
 
@@ -830,23 +894,23 @@ class TestPart6cPolicies:
         pool = caching(lab, 12, block_size, policy)
         lab.fuzz(pool, random.Random(seed), 500)
         pool.allocate_many(12)
-        assert pool.num_cached == 0 and pool.index.cached == {}
+        assert pool.num_cached == 0 and pool.index.block_of == {}
 
     def test_fifo_evicts_the_block_cached_first_whatever_its_hits(self, lab):
         fifo = lab.FIFO()
         for block in range(4):
-            fifo.cached(block, [block])
-            fifo.freed(block, 0)
+            fifo.insert(block, [block])
+            fifo.add([block], 0)
         for block in [3, 2, 1, 0, 3]:  # hit, then freed again: FIFO does not care
-            fifo.hit(block)
-            fifo.freed(block, 0)
+            fifo.remove([block])
+            fifo.add([block], 0)
         assert [fifo.victim(0) for _ in range(4)] == [0, 1, 2, 3] and len(fifo) == 0
 
     def test_s3fifo_remembers_a_block_small_evicted_and_brings_its_tokens_back_to_main(self, lab):
         policy = lab.S3FIFO()
         def cache_and_free(block, tokens):
-            policy.cached(block, tokens)
-            policy.freed(block, 0)
+            policy.insert(block, tokens)
+            policy.add([block], 0)
         cache_and_free(0, [0])
         cache_and_free(1, [1])
         assert policy.victim(0) == 0 and (0,) in policy.ghost  # seen once: out, remembered
@@ -857,16 +921,16 @@ class TestPart6cPolicies:
 
     def test_s3fifo_moves_a_block_hit_twice_while_new_to_main_with_its_count_reset(self, lab):
         policy = lab.S3FIFO()
-        policy.cached(0, [0])
-        policy.freed(0, 0)
+        policy.insert(0, [0])
+        policy.add([0], 0)
         for _ in range(2):  # block 0 is in use again, twice, while new
-            policy.hit(0)
-            policy.freed(0, 0)
-        policy.cached(1, [1])
-        policy.freed(1, 0)
+            policy.remove([0])
+            policy.add([0], 0)
+        policy.insert(1, [1])
+        policy.add([1], 0)
         assert policy.victim(0) == 1 and 0 in policy.main  # 0 moved to main, 1 went
-        policy.cached(5, [1])  # remembered: straight to main, behind 0
-        policy.freed(5, 0)
+        policy.insert(5, [1])  # remembered: straight to main, behind 0
+        policy.add([5], 0)
         assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
 
 
