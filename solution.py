@@ -59,7 +59,8 @@ Glossary (one word per idea; the code uses these and no others)
     evictable       a cached block nobody references: free, but kept until memory is needed
     policy          which evictable block goes first: for the hash chain a block policy (LRU,
                     FIFO, S3-FIFO, a look-ahead), for the radix tree a leaf priority
-    lock            a radix node's blocks in use: a locked node is never evicted
+    cached          a full block its index holds, in use or evictable
+    lock            a match taken into use: a locked block (radix: node) is never evicted
 """
 
 import argparse
@@ -384,7 +385,7 @@ class Sequence:
         """Release every block, tail first (NOTE: as vLLM's free queue and nano-vllm do, so a
         prefix cache evicts a suffix before the prefix others are likelier to share)."""
         self._check_live()
-        self.allocator.free_blocks(reversed(self.block_table))
+        self.allocator.free_blocks(self.block_table[::-1])
         self.block_table.clear()
         self.is_freed = True
 
@@ -789,29 +790,30 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 
 class HashIndex:
-    """vLLM's index: block_of, block hash -> the one block offered for it (vLLM's
-    cached_block_hash_to_block); block_hash, every full block in use or cached -> its hash; its
-    evictable blocks and victims are policy's (a POLICIES name, or an object). Every index has
-    the events match, lock, insert, release, evict(n), check; holds(block); len: the evictable."""
+    """vLLM's index: block_of, block hash -> its cached blocks, oldest first (vLLM's
+    cached_block_hash_to_block); block_hash, every cached block -> its hash; the evictable blocks
+    and victims are policy's (a POLICIES name, or an object). Every index has the events match,
+    lock, insert, release, evict(n), check; holds(block); len: the evictable blocks."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
         self.policy = POLICIES[policy]() if isinstance(policy, str) else policy
-        self.block_of, self.block_hash = {}, {}
+        self.block_of, self.block_hash = {}, {}  # hash -> {block: None}; block -> hash
 
     def __len__(self):
         return len(self.policy)
 
     def match(self, token_ids):
-        """(cached blocks of the prompt's leading full blocks, hashes looked up); changes nothing."""
+        """(the oldest cached block of each of the prompt's leading full blocks, hashes looked
+        up); changes nothing."""
         size, blocks, parent = self.block_size, [], None
         for k in range(len(token_ids) // size):
             parent = hash_block_tokens(parent, token_ids[k * size:(k + 1) * size])
             if parent not in self.block_of:
                 return blocks, k + 1
-            blocks.append(self.block_of[parent])
+            blocks.append(next(iter(self.block_of[parent])))
         return blocks, len(blocks)
 
     def lock(self, blocks, revived, now):
@@ -819,43 +821,38 @@ class HashIndex:
         self.policy.remove(revived)
 
     def insert(self, table, tokens, first, last, now, decode):
-        """Remember the full ones of blocks first..last-1 of table, which hold tokens; returns []:
-        no block to swap. NOTE: if another block holds a block's tokens already, it stays the one
-        offered (vLLM v1 keeps both, and offers the first)."""
+        """Cache the full ones of blocks first..last-1 of table, which hold tokens; returns []:
+        no block to swap. NOTE: a block whose tokens another holds is cached too, as a copy
+        under the same hash, as vLLM v1 does; match offers the oldest."""
         size, parent = self.block_size, self.block_hash[table[first - 1]] if first > 0 else None
         for k in range(first, min(last, len(tokens) // size)):
             chunk = tokens[k * size:(k + 1) * size]
             parent = hash_block_tokens(parent, chunk)
             self.block_hash[table[k]] = parent
-            if parent not in self.block_of:
-                self.block_of[parent] = table[k]
-                self.policy.insert(table[k], chunk)
+            self.block_of.setdefault(parent, {})[table[k]] = None
+            self.policy.insert(table[k], chunk)
         return []
 
     def holds(self, block):
-        return self.block_of.get(self.block_hash.get(block)) == block
+        return block in self.block_hash
 
     def release(self, blocks, free, now):
-        """A table's blocks were freed (free: those nobody references now, tail first); the ones
-        offered become evictable, the rest are returned."""
-        block_of, block_hash, kept, rest = self.block_of, self.block_hash, [], []
-        for block in free:
-            if block_of.get(block_hash.get(block)) == block:  # holds(block), inline: a hot loop
-                kept.append(block)
-            else:
-                block_hash.pop(block, None)  # a block no hash chains from any more
-                rest.append(block)
-        self.policy.add(kept, now)
-        return rest
+        """A table's blocks were freed (free: those nobody references now, tail first); the
+        cached ones become evictable, the rest are returned."""
+        self.policy.add([block for block in free if block in self.block_hash], now)
+        return [block for block in free if block not in self.block_hash]
 
     def evict(self, n, now):
         victims = [self.policy.victim(now) for _ in range(n)]
         for block in victims:
-            del self.block_of[self.block_hash.pop(block)]
+            block_hash = self.block_hash.pop(block)
+            del self.block_of[block_hash][block]
+            if not self.block_of[block_hash]:
+                del self.block_of[block_hash]
         return victims
 
     def check(self, in_use):  # the evictable blocks, checked against the policy's
-        evictable = [block for block in self.block_of.values() if block not in in_use]
+        evictable = [block for block in self.block_hash if block not in in_use]
         expect(len(evictable) == len(self.policy) and all(b in self.policy for b in evictable),
                "cache: the policy's evictable blocks are not the cached blocks nobody uses")
         return evictable
@@ -935,7 +932,7 @@ class PrefixCachingAllocator(BlockAllocator):
         return self.index.check(self.ref_cnt)
 
     def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
-        blocks, given_back = list(blocks), len(self.free_block_ids)
+        given_back = len(self.free_block_ids)
         super().free_blocks(blocks)
         free = self.free_block_ids[given_back:]
         del self.free_block_ids[given_back:]

@@ -574,6 +574,21 @@ class TestPart6aHashChain:
             lab.hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8])
         assert len(h0) == 32 and h0 == lab.hash_block_tokens(None, (1, 2, 3, 4))
 
+    def test_a_block_computed_twice_is_cached_twice_and_the_oldest_offered(self, lab):
+        pool = caching(lab, 2)  # as vLLM v1: both copies under one hash
+        a, b = lab.Sequence("a", pool, range(3)), lab.Sequence("b", pool, range(4))
+        a.append(3)  # a's block now holds b's tokens: a copy, cached after b's
+        old, new = b.block_table[0], a.block_table[0]
+        a.free()
+        b.free()  # new is evictable first, then old
+        assert pool.num_cached == 2 and pool.share_cached_prefix(list(range(4)))[0] == [old]
+        pool.free(old)
+        pool.allocate()  # evicts new, the least recently freed: old stays offered
+        assert pool.num_cached == 1 and pool.share_cached_prefix(list(range(4)))[0] == [old]
+        pool.free(old)
+        pool.allocate()  # evicts old too: the hash is no longer cached
+        assert pool.num_cached == 0 and pool.index.match(list(range(4))) == ([], 1)
+
     def test_a_freed_cached_block_is_revived_not_recomputed(self, lab):
         pool = caching(lab, 4)
         a = lab.Sequence("a", pool, range(8))
@@ -835,6 +850,29 @@ class TestPart6bRadixTree:
         stream = lab.chat_stream(4)
         assert lab.serve(caching(lab, 600, 16), stream).hits == lab.serve(
             caching(lab, 600, 16, index="radix"), stream).hits
+
+    @pytest.mark.parametrize("seed", range(8))
+    def test_unbounded_the_tree_hits_what_the_chain_hits_after_every_admission(self, lab, seed):
+        rng, pools = random.Random(seed), [caching(lab, 400, 2, index=i) for i in lab.INDEXES]
+        live = [[] for _ in pools]  # the same operations on both pools, forks and shares too
+        for _ in range(120):
+            op, k = rng.random(), rng.randrange(max(1, len(live[0])))
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+            token, cut = rng.randrange(3), rng.randrange(9)
+            for pool, seqs in zip(pools, live):
+                if op < 0.4 or len(seqs) == 0:
+                    seqs.append(lab.Sequence(len(seqs), pool, prompt))
+                elif op < 0.6:
+                    seqs.append(seqs[k].fork(len(seqs)))
+                elif op < 0.7:
+                    seqs.append(lab.share_prefix(seqs[k], len(seqs), min(cut, len(seqs[k]))))
+                elif op < 0.85:
+                    seqs[k].append(token)
+                else:
+                    seqs.pop(k).free()
+            assert pools[0].hits == pools[1].hits
+            for pool, seqs in zip(pools, live):
+                lab.check_invariants(pool, seqs)
 
     @pytest.mark.parametrize("corrupt", ["free", "leaf"])
     def test_the_audit_finds_a_tree_that_disagrees_with_the_blocks_in_use(self, lab, corrupt):
