@@ -211,9 +211,10 @@ class BlockAllocator:
         return block
 
     def share_blocks(self, blocks):
-        """share each of blocks, trusted to be in use (a sequence sharing its own table); them."""
+        """One more reference to each of blocks, trusted: in use (a sequence sharing its own
+        table), or free but on no free list (a cache's, Part 6); returns them."""
         for block in blocks:
-            self.ref_cnt[block] += 1
+            self.ref_cnt[block] = self.ref_cnt.get(block, 0) + 1
         return blocks
 
     def free(self, block):
@@ -907,20 +908,13 @@ class PrefixCachingAllocator(BlockAllocator):
         self.stats.misses += len(token_ids) // self.block_size - len(blocks)
         self.stats.prompts += 1
         self.stats.work += work
-        self.take(blocks)
+        self.share_blocks(blocks)
         self.index.lock(blocks, revived, self.stats.prompts)
         return blocks, reused
 
-    def take(self, blocks):
-        """One more reference to each of blocks: shared if in use, else (evictable) its first.
-        NOTE: the pool sets that one itself: share() refuses a free block, allocate() takes any."""
-        revived = [block for block in blocks if block not in self.ref_cnt]
-        self.share_blocks([block for block in blocks if block in self.ref_cnt])
-        self.ref_cnt.update(dict.fromkeys(revived, 1))
-
     def cache_blocks(self, table, tokens, first, last, decode=False):
         for k, block in self.index.insert(table, tokens, first, last, self.stats.prompts, decode):
-            self.take([block])  # the index holds block k's tokens in block: ours is a duplicate
+            self.share_blocks([block])  # the index holds block k's tokens in block: ours is a duplicate
             self.free_blocks([table[k]])
             table[k] = block
 
@@ -945,8 +939,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def evict(self, n):
         """Evict cached blocks until n free blocks are no cache entry's: the shortfall, as SGLang's
-        evict_from_tree_cache (mem_cache/common.py) and mini-sglang; NOTE: SGLang evicted the
-        whole need, evict(num_tokens), before it (at commit 2752c82, say)."""
+        evict_from_tree_cache (mem_cache/common.py at 0057abe) and mini-sglang; NOTE: SGLang
+        evicted the whole need, evict(num_tokens), before (at commit 2752c82)."""
         short = n - (self.num_free - len(self.index))
         if short > 0:
             freed = self.index.evict(short, self.stats.prompts)
