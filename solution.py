@@ -20,8 +20,8 @@ plain list. Read it top to bottom; each part builds on the ones above it.
     Part 3  sharing a prefix ......... share_prefix
     Part 4  checks ................... check_invariants, a randomized oracle, the pitfalls
     Part 5  demos .................... memory efficiency, prefix sharing, a block map
-    Part 6  prefix caching ........... two seams: vLLM's hash chain and its block policies
-                                       (6a, 6c), SGLang's radix tree evicting leaves (6b)
+    Part 6  prefix caching ........... one seam, two indexes: vLLM's hash chain and its block
+                                       policies (6a, 6c), SGLang's radix tree of leaves (6b)
     Part 7  preemption ............... recompute vs swap; the paper's 7.3 (Fig. 19)
     Part 8  parallel sampling, beams . fork and prune; the paper's 6.3 (Fig. 15)
     Part 9  block-size sweep ......... fragmentation against block-table size; the paper's 7.2
@@ -55,6 +55,8 @@ Glossary (one word per idea; the code uses these and no others)
     copy-on-write   before writing into a block another reference can see, copy it
     block hash      a full block's identity: SHA-256 of its tokens and its parent's hash
     index           what finds, keeps and evicts cached blocks: a hash chain, or a radix tree
+    seam            the events a caching pool tells its index of: match, lock, insert,
+                    release, evict(n), check
     hit             a full prompt block found in the cache, reused, not prefilled
     evictable       a cached block nobody references: free, but kept until memory is needed
     policy          which evictable block goes first: for the hash chain a block policy (LRU,
@@ -247,7 +249,7 @@ class BlockAllocator:
         self.num_copies += 1
         return copy
 
-    # The seam a prefix cache (Part 6) attaches through; a plain pool remembers nothing.
+    # The hooks a prefix cache (Part 6) overrides; a plain pool remembers nothing.
     # vLLM's names: get_computed_blocks for share_cached_prefix, cache_full_blocks for cache_blocks.
     def share_cached_prefix(self, token_ids):
         """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
@@ -1283,7 +1285,7 @@ def serve(pool, stream):
 
 
 def demo_cache(block_size, seed):
-    """The sharing demo cached, vLLM's example, chained hashes, both seams, cache-aware order."""
+    """The sharing demo cached, vLLM's example, chained hashes, both indexes, cache-aware order."""
     print("== cache: automatic prefix caching (an index of cached blocks, an eviction policy) ==")
     num_blocks, seed = POOL_TOKENS // block_size, 4 if seed is None else seed
     explicit = system_prompt_requests(BlockAllocator(num_blocks, block_size), True, seed)
@@ -1308,7 +1310,7 @@ def demo_cache(block_size, seed):
     stream = chat_stream(seed)
     print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
           f"{CHAT_TURNS} turns, round robin), LRU")
-    print_two_seams([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
+    print_two_indexes([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
     tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]  # a pool under pressure
     print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
@@ -1321,14 +1323,15 @@ def demo_cache(block_size, seed):
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
 
 
-def print_two_seams(pools):
+def print_two_indexes(pools):
     """A row per pool, hash and radix in turn; then one sentence on where the two differ."""
     print("   look-ups: hashes computed (hash), children looked up (radix)")
-    print("   pool blocks  index  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
+    print("   pool blocks  index     hits  hit rate  evictions  blocks freed  beyond need  "
+          "look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
         st = pool.stats
-        print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hit_rate:>8.1%}  {st.evictions:>9,}  "
-              f"{st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
+        print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hits:>7,}  {pool.hit_rate:>8.1%}  "
+              f"{st.evictions:>9,}  {st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
     beyond, freed = (sum(getattr(p.stats, k) for p in pools[1::2]) for k in ("beyond", "evicted"))
     chain, tree = (sum(p.hits for p in pools[i::2]) for i in (0, 1))  # hashed, radix
     print(f"   over these pools whole leaves freed {beyond:,} blocks beyond the need "
@@ -2222,7 +2225,7 @@ def demo_trace(path, limit, block_size, index="hash"):
     if index == "radix":
         print("hash chain against radix tree, LRU: the chain evicts a block at a time, the tree "
               "whole leaves")
-        print_two_seams([replay("lru", s, i) for s in sizes if s < roomy for i in INDEXES])
+        print_two_indexes([replay("lru", s, i) for s in sizes for i in INDEXES])
     trace_vs_mooncake(name, ceiling / total, rate("lru", THREE_M) if THREE_M in sizes else None)
 
 

@@ -987,20 +987,20 @@ class TestPart6CacheSection:  # the cache section is written for you: it runs on
         assert "2 hits" in out and "3 hits" in out and "ours differ" in out
         assert "t3 request 0: 2 more decoded " in out and "t5 request 0 freed " in out
 
-    def test_the_cache_section_prints_both_seams_and_the_same_214_blocks(self, lab, capsys):
+    def test_the_cache_section_prints_both_indexes_and_the_same_214_blocks(self, lab, capsys):
         lab.demo_cache(16, None)
         out = capsys.readouterr().out
         assert "automatic cache       :  214 blocks used   hit rate 95.0%" in out
-        rows = re.findall(r"^ +(\d+)  (hash|radix) +([\d.]+)% +(\d+) +(\d+) +(\d+) ", out,
-                          re.MULTILINE)
+        rows = re.findall(r"^ +(\d+)  (hash|radix) +([\d,]+) +[\d.]+% +(\d+) +(\d+) +(\d+) ",
+                          out, re.MULTILINE)
         assert [index for _, index, *_ in rows] == ["hash", "radix"] * 4
         assert all(beyond == "0" for _, index, _, _, _, beyond in rows if index == "hash")
         assert any(int(beyond) > 0 for _, index, _, _, _, beyond in rows if index == "radix")
         stream = lab.chat_stream(4)
-        for size, index, rate, evictions, freed, beyond in rows:
-            st = lab.serve(caching(lab, int(size), 16, "lru", index), stream).stats
-            assert (st.evictions, st.evicted, st.beyond) == (int(evictions), int(freed),
-                                                             int(beyond))
+        for size, index, hits, evictions, freed, beyond in rows:
+            pool = lab.serve(caching(lab, int(size), 16, "lru", index), stream)
+            assert (pool.hits, pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (
+                int(hits.replace(",", "")), int(evictions), int(freed), int(beyond))
         assert all(f"\n{part}. " in out for part in range(1, 6))  # every part of the section
         orders = re.findall(r"^   (?:arrival|longest prefix) +hash +(\d+) +(\d+)$", out,
                             re.MULTILINE)
