@@ -877,11 +877,10 @@ class CacheStats:
 
 class PrefixCachingAllocator(BlockAllocator):
     """A block pool that remembers full blocks, so later prompts with the same tokens reuse them.
-    index: a name in INDEXES, made with policy (ValueError otherwise). The pool tells it of each
-    cache event once: a prompt's match and lock (share_cached_prefix), blocks to insert
-    (cache_blocks), a release (free_blocks), evict(n) (allocate), check (audit_kept). Invariant: a
-    block the index offers is in use or evictable: free (counted in num_free; vLLM: in the free
-    queue, hash and all) but kept."""
+    index: a name in INDEXES, made with policy (ValueError otherwise), told each event through the
+    hooks: match, lock (share_cached_prefix), insert (cache_blocks), release (free_blocks),
+    evict(n) (allocate_many), check (audit_kept). A cached block is in use or evictable: free
+    (counted in num_free; vLLM: in the free queue, hash and all) but kept."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
@@ -916,7 +915,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
         for k, block in self.index.insert(table, tokens, first, last, self.stats.prompts, decode):
-            self.share_blocks([block])  # the index holds block k's tokens in block: ours is a duplicate
+            self.share_blocks([block])  # the index holds block k's tokens in block: a duplicate
             self.free_blocks([table[k]])
             table[k] = block
 
@@ -1153,12 +1152,12 @@ class RadixIndex:
         return freed
 
     def check(self, in_use):  # each node used whole or not, the candidates; the evictable
-        for node in {node: None for node in self.node_of.values()}:
+        for node in set(self.node_of.values()):
             used = {block in in_use for block in node.blocks}
-            expect(len(used) == 1 and (node in self.leaves) == (len(node.children) == 0 and
-                                                              True not in used),
+            leaf = not node.children and not any(used)
+            expect(len(used) == 1 and (node in self.leaves) == leaf,
                    "radix: a node is used in part, or its candidacy disagrees with its use")
-        expect(self.free == {block for block in self.node_of if block not in in_use},
+        expect(self.free == self.node_of.keys() - in_use.keys(),
                "radix: the free blocks are not the tree's blocks nobody uses")
         return list(self.free)
 
@@ -1331,7 +1330,8 @@ def print_two_indexes(pools):
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
         st = pool.stats
         print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hits:>7,}  {pool.hit_rate:>8.1%}  "
-              f"{st.evictions:>9,}  {st.evicted:>12,}  {st.beyond:>11,}  {st.work / st.prompts:>15.1f}")
+              f"{st.evictions:>9,}  {st.evicted:>12,}  {st.beyond:>11,}  "
+              f"{st.work / st.prompts:>15.1f}")
     beyond, freed = (sum(getattr(p.stats, k) for p in pools[1::2]) for k in ("beyond", "evicted"))
     chain, tree = (sum(p.hits for p in pools[i::2]) for i in (0, 1))  # hashed, radix
     print(f"   over these pools whole leaves freed {beyond:,} blocks beyond the need "
