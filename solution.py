@@ -1428,56 +1428,81 @@ def swap_out(seq, host):
 
 
 def swap_in(seq_id, tokens, host_blocks, host, gpu):
-    """Copy host blocks back into new GPU blocks, freeing them, and rebuild the sequence."""
+    """Copy host blocks back into new GPU blocks, freeing them, and rebuild the sequence (its
+    full blocks told to gpu's cache_blocks hook, as a prefill's are)."""
     seq = Sequence(seq_id, gpu)
     seq.block_table.extend(gpu.allocate_many(len(host_blocks)))
     for host_block, gpu_block in zip(host_blocks, seq.block_table, strict=True):
         gpu.kv_cache.write(gpu_block, 0, host.read(host_block))
         host.free(host_block)
     seq.tokens.extend(tokens)
+    gpu.cache_blocks(seq.block_table, seq.tokens, 0, len(seq.block_table))
     return seq
 
 
+@dataclass
+class Running:
+    seq: Sequence
+    request: Request
+    stepped: int  # the last step it was admitted, resumed or given a token
+
+
+@dataclass
+class Preempted:
+    request: Request
+    tokens: list       # its tokens when preempted
+    host_blocks: list  # where swap copied its blocks; None: recompute them
+
+
 class Scheduler:
-    """Each step on a plain GPU pool: resume the preempted, then, if none waits, admit arrived ones,
-    both by (arrival, req_id) while they fit, keeping 1% of blocks free (NOTE: vLLM v0's watermark;
-    at least 1 here); give each running one a token by req_id, preempting, when blocks run out, the
-    least recently stepped (ties: latest arrival, then highest req_id) by "recompute" or "swap" to a
-    host pool of its block size (else ValueError). finished: req_id -> its tokens. NOTE: vLLM v1
-    preempts the last admitted (running.pop()), always recomputing; ours spares one just resumed."""
+    """Each step on a GPU pool (a prefix-caching one too): resume the preempted, then, if none
+    waits, admit arrived ones, both by (arrival, req_id) while they fit, keeping 1% of blocks free
+    (NOTE: vLLM v0's watermark; at least 1 here); give each running one a token by req_id,
+    preempting, when blocks run out, the least recently stepped (ties: latest arrival, then
+    highest req_id) by "recompute" or "swap" to a host pool of its block size (else ValueError).
+    running, preempted: req_id -> Running, Preempted; finished: req_id -> its tokens. NOTE: vLLM
+    v1 preempts the last admitted (running.pop()), always recomputing; ours spares one resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
             raise ValueError(f"policy must be 'recompute', or 'swap' with a host pool: {policy!r}")
         self.gpu, self.host, self.policy = gpu, host, policy
         self.margin = max(1, gpu.num_blocks // 100)
-        self.running, self.preempted, self.finished = {}, {}, {}  # running: seq, request, last step
+        self.running, self.preempted, self.finished = {}, {}, {}
         self.stats = PreemptionStats()
 
     def run(self, requests):
-        """Serve requests (distinct req_ids, prompts of token ids) until every one finishes;
-        return finished. ValueError up front for a request that could never fit: it would wait."""
+        """Serve requests until every one finishes; return finished. Refused up front, changing
+        nothing: a req_id given twice or finished before (ValueError), a bad prompt or max_tokens
+        (TypeError or ValueError naming it), one that could never fit (ValueError: it would wait)."""
+        requests, ids = list(requests), Counter(request.req_id for request in requests)
         for request in requests:
+            if ids[request.req_id] > 1 or request.req_id in self.finished:
+                raise ValueError(f"req_id {request.req_id} is given twice, or finished before")
+            check_tokens(request.prompt)
+            check_int(request.max_tokens, f"request {request.req_id}'s max_tokens", 0)
             if not self._fits(len(request.prompt) + request.max_tokens):
                 raise ValueError(f"request {request.req_id} can never fit the free GPU blocks")
-        queue, step = sorted(requests, key=lambda r: (r.arrival, r.req_id)), 0  # not yet admitted
+        queue = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))  # not yet admitted
+        step = 0
         while len(queue) + len(self.running) + len(self.preempted) > 0:
             if len(self.running) + len(self.preempted) == 0:
                 step = max(step, queue[0].arrival)  # idle until the next arrival: skip
-            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r)):
-                if not self._fits(len(self.preempted[req_id][1])):
+            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r].request.arrival,
+                                                                r)):
+                if not self._fits(len(self.preempted[req_id].tokens)):
                     break  # nobody overtakes them
-                request, tokens, host_blocks = self.preempted.pop(req_id)
-                if host_blocks is None:
-                    self.stats.recomputed_tokens += len(tokens)
-                    seq = Sequence(req_id, self.gpu, tokens)
+                out = self.preempted.pop(req_id)
+                if out.host_blocks is None:
+                    self.stats.recomputed_tokens += len(out.tokens)
+                    seq = Sequence(req_id, self.gpu, out.tokens)
                 else:
-                    self.stats.swapped_in_blocks += len(host_blocks)
-                    seq = swap_in(req_id, tokens, host_blocks, self.host, self.gpu)
-                self._run(request, seq, step)
+                    self.stats.swapped_in_blocks += len(out.host_blocks)
+                    seq = swap_in(req_id, out.tokens, out.host_blocks, self.host, self.gpu)
+                self._run(out.request, seq, step)
             while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
                     and self._fits(len(queue[0].prompt)):
-                request = queue.pop(0)
+                request = queue.popleft()
                 self._run(request, Sequence(request.req_id, self.gpu, request.prompt), step)
             for req_id in sorted(self.running):
                 if req_id in self.running:  # not preempted earlier in this step
@@ -1490,22 +1515,24 @@ class Scheduler:
         return cdiv(num_tokens, self.gpu.block_size) + self.margin <= self.gpu.num_free
 
     def _run(self, request, seq, step):
-        self.running[request.req_id] = (seq, request, step)
+        self.running[request.req_id] = Running(seq, request, step)
         if len(seq) == len(request.prompt) + request.max_tokens:  # done
             self.finished[request.req_id] = seq.read()
             seq.free()
             del self.running[request.req_id]
 
     def _decode(self, req_id, step):
-        seq, request, _ = self.running[req_id]
+        seq, request = self.running[req_id].seq, self.running[req_id].request
         while len(seq) % self.gpu.block_size == 0 and self.gpu.num_free == 0:  # needs a block
             self._preempt(min((r for r in self.running if r != req_id),  # run's check: r exists
-                              key=lambda r: (self.running[r][2], -self.running[r][1].arrival, -r)))
+                              key=lambda r: (self.running[r].stepped,
+                                             -self.running[r].request.arrival, -r)))
         seq.append(next_token(req_id, len(seq)))
         self._run(request, seq, step)
 
     def _preempt(self, req_id):
-        (seq, request, _), host_blocks = self.running.pop(req_id), None
+        victim, host_blocks = self.running.pop(req_id), None
+        seq = victim.seq
         self.stats.preemptions += 1
         self.stats.preempted_blocks += len(seq.block_table)
         if self.policy == "swap":
@@ -1514,7 +1541,7 @@ class Scheduler:
             else:
                 host_blocks = swap_out(seq, self.host)
                 self.stats.swapped_out_blocks += len(host_blocks)
-        self.preempted[req_id] = (request, list(seq.tokens), host_blocks)
+        self.preempted[req_id] = Preempted(victim.request, list(seq.tokens), host_blocks)
         seq.free()
 
 

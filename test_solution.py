@@ -1075,6 +1075,53 @@ class TestPart7Preemption:
             self.requests(lab, [(3, 0)]))
         assert finished == {0: [0, 1, 2]}
 
+    def scheduler_state(self, scheduler):
+        gpu = scheduler.gpu
+        return (gpu.num_free, dict(gpu.ref_cnt), dict(scheduler.finished), scheduler.running,
+                scheduler.preempted, scheduler.stats)
+
+    @pytest.mark.parametrize("requests, exception", [
+        ([(0, [1], 2, 0), (0, [2], 2, 0)], ValueError),  # one id twice: one would be lost
+        ([(0, [1], 2, 0), (1, [2], -1, 0)], ValueError),  # max_tokens < 0
+        ([(0, [1], 2, 0), (1, [2], 1.5, 0)], TypeError),
+        ([(0, [1], 2, 0), (1, [-2], 1, 0)], ValueError),  # a bad token in a later prompt
+        ([(0, [1], 2, 0), (1, [2] * 20, 1, 0)], ValueError)])  # can never fit 8 blocks of 2
+    def test_the_scheduler_refuses_a_bad_request_before_serving_any(self, lab, requests,
+                                                                    exception):
+        scheduler = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute")
+        before = self.scheduler_state(scheduler)
+        with pytest.raises(exception):
+            scheduler.run([lab.Request(*fields) for fields in requests])
+        assert self.scheduler_state(scheduler) == before and scheduler.finished == {}
+
+    def test_the_scheduler_refuses_an_id_it_has_finished_and_serves_an_empty_list(self, lab):
+        scheduler = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute")
+        assert scheduler.run([]) == {} and scheduler.stats.steps == 0
+        scheduler.run([lab.Request(0, [1], 1, 0)])
+        before = self.scheduler_state(scheduler)
+        with pytest.raises(ValueError):
+            scheduler.run([lab.Request(0, [2], 1, 0)])
+        assert self.scheduler_state(scheduler) == before
+
+    @pytest.mark.parametrize("policy", ["recompute", "swap"])
+    @pytest.mark.parametrize("index", ["hash", "radix"])
+    def test_a_prefix_caching_gpu_pool_ends_every_request_with_its_tokens(self, lab, policy,
+                                                                          index):
+        requests = lab.preemption_workload(5)
+        for request in requests[1:]:  # a shared 200-token prefix: the cache hits
+            request.prompt = requests[0].prompt[:200] + request.prompt
+        gpu = lab.PrefixCachingAllocator(lab.GPU_KV_TOKENS // 16, 16, index=index)
+        host = lab.BlockAllocator(lab.HOST_KV_TOKENS // 16, 16)
+        scheduler = lab.Scheduler(gpu, host, policy)
+        finished = scheduler.run(requests)
+        for r in requests:
+            assert finished[r.req_id] == r.prompt + [lab.next_token(r.req_id, len(r.prompt) + k)
+                                                     for k in range(r.max_tokens)]
+        lab.check_invariants(gpu, [])
+        assert gpu.num_used == host.num_used == 0 and gpu.hits > 0
+        assert scheduler.stats.preemptions > 0 and (policy == "recompute") == (
+            scheduler.stats.swapped_in_blocks == 0)
+
     def test_the_evict_section_prints_fig_19a_on_the_cost_model_and_each_sizes_own_runs(
             self, lab, capsys, monkeypatch):
         monkeypatch.setattr(lab.module, "EVICT_SEEDS", 1)  # seed 5's runs: the rows' cells
