@@ -2244,15 +2244,16 @@ def demo_trace(path, limit, block_size, index="hash"):
           "cache passes")
     print("   pool blocks           tokens      LRU  optimal   LRU/optimal  optimal/ceiling")
     for s in sizes:
-        lru, optimal = rate("lru", s), rate("optimal", s)
-        print(f"   {s:>11,}  {s * TRACE_ID_TOKENS:>15,}  {lru:>7.1%}  {optimal:>7.1%}   "
-              f"{lru / max(optimal, 1e-9):>11.0%}  {optimal * total / ceiling:>15.0%}")
+        lru_rate, optimal_rate = rate("lru", s), rate("optimal", s)
+        print(f"   {s:>11,}  {s * TRACE_ID_TOKENS:>15,}  {lru_rate:>7.1%}  {optimal_rate:>7.1%}   "
+              f"{lru_rate / max(optimal_rate, 1e-9):>11.0%}  "
+              f"{optimal_rate * total / ceiling:>15.0%}")
     for share in (0.5, KNEE):  # the pool that never evicts reaches the ceiling
-        lru, optimal = (min(s for s in sizes if rate(p, s) * total >= share * ceiling)
-                        for p in ("lru", "optimal"))
-        print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
-              f"optimum's {optimal:,}")
-    center = THREE_M if THREE_M in sizes else optimal  # else the knee: the optimum's at KNEE
+        lru_pool, optimal_pool = (min(s for s in sizes if rate(p, s) * total >= share * ceiling)
+                                  for p in ("lru", "optimal"))
+        print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru_pool:,} blocks, "
+              f"the optimum's {optimal_pool:,}")
+    center = THREE_M if THREE_M in sizes else optimal_pool  # else the knee: the optimum's at KNEE
     near = sizes[max(0, sizes.index(center) - 1):sizes.index(center) + 2]  # and its neighbours
     trace_gap([s for s in near if s < roomy], rate)  # where policies differ: they evict
     if index == "radix":
@@ -2301,28 +2302,30 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # ---------------------------------------------------------------------------------------
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
-# Behind a router, each prefill instance has its own prefix cache: spread requests for load
-# and the caches stop hitting; send each to its longest cached prefix and the hot prefixes
-# pile onto one instance. An instance here is a PrefixCachingAllocator (a block a 512-token
-# hash id) with a FIFO prefill queue; requests arrive at the trace's timestamps. NOTE: decode
-# is out of scope, as in Mooncake's Fig. 10; a prompt's blocks are cached when scheduled.
-# Time, Mooncake (Qin et al., FAST'25) Eq. 1 and Table 1, LLaMA3-70B on 8 x A800:
-#   flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4, b = 22; a cached prefix of p
-#   tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x an efficiency, 30% the
-#   lab's choice, 20% and 50% shown too. A prefix fetched from another instance moves
-#   l x 2 (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device,
-#   an 800 Gbps NIC).
+# Behind a router, each prefill instance has its own prefix cache: spread requests for load and
+# the caches stop hitting; send each to its longest cached prefix and hot prefixes pile onto one
+# instance. An instance: a PrefixCachingAllocator (a block a 512-token hash id), a FIFO prefill
+# queue; requests arrive at the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's
+# Fig. 10; a prompt's blocks are cached when scheduled. Time, Mooncake (Qin et al., FAST'25) Eq. 1
+# and Table 1, LLaMA3-70B on 8 x A800: flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4,
+# b = 22; a cached prefix of p tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x
+# an efficiency (30% ours; 20%, 50% shown). A prefix fetched from another instance moves l x 2
+# (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device, 800 Gbps NIC).
 FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
 FLEET_FLOPS = 8 * 312e12
 FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # the first is the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
-FETCH_THRESHOLD = 2  # blocks a remote prefix must beat the local one by to be fetched: ours
+FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold: ours first, unstated
+# there; arXiv 2407.00079, 6.2: "we prefer to compute the input tokens if the best remote prefix
+# match length is no larger than the current local reusable prefix multiplied by a threshold"
+TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn, "Round-robin is
+# performed within groups of servers of the same load" (its configuration manual)
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
-MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74), "synthetic": (
-    2.36, 0.52)}  # Fig. 10: hit rate and prefill GPU time, global / local
+FIG10 = {"conversation": (0.169, 1.38, 0.375, 1.05), "tool&agent": (0.420, 0.70, 0.581, 0.52),
+         "synthetic": (0.264, 1.50, 0.622, 0.78)}  # its bars: hit rate, prefill s, local, global
 
 
 def flops(tokens):  # Eq. 1
@@ -2339,12 +2342,22 @@ class Instance:
 
 
 class Fleet:
-    """The instances, the efficiency, a Random for "random", and what a scheduler asks."""
+    """The instances; the efficiency, fetch ratio and tie rule; a Random for "random"; last, the
+    instance chosen last; and what a scheduler asks."""
 
-    def __init__(self, instances, cache_blocks, efficiency, seed):
+    def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
+                 ties=TIES[0]):
         self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1))
-                          for _ in range(instances)]
-        self.efficiency, self.rng = efficiency, random.Random(seed)
+                          for _ in range(check_int(instances, "instances"))]
+        self.efficiency, self.rng, self.fetch_ratio = efficiency, random.Random(seed), fetch_ratio
+        self.ties, self.last, self.prompt = ties, -1, None
+
+    def pick(self, keys):
+        """The instance of the least key; among equals, by "round robin" the first after last,
+        else the lowest index. Example, 4 instances, last 1, keys [0, 5, 3, 0]: 3 (lowest: 0)."""
+        tied = [i for i, key in enumerate(keys) if key == min(keys)]
+        return tied[0] if self.ties == "lowest index" else min(
+            tied, key=lambda i: (i - self.last - 1) % len(keys))
 
     def prefill(self, tokens, cached):
         """Seconds to prefill tokens of which the first cached are in the cache."""
@@ -2357,8 +2370,13 @@ class Fleet:
         return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
 
     def reuse(self, i, prompt):
-        """The leading blocks of prompt instance i holds, as its index matches them."""
-        return len(self.instances[i].pool.index.match(prompt)[0])
+        """The leading blocks of prompt instance i holds, as its index.match finds them; NOTE: by
+        prompt's hash chain (hash_block_tokens) in its block_of, the chain hashed once a prompt."""
+        if prompt is not self.prompt:  # NONE_HASH: hash_block_tokens' parent of a first block
+            self.prompt, self.chain = prompt, [*itertools.accumulate(
+                ([token] for token in prompt), hash_block_tokens, initial=NONE_HASH)][1:]
+        block_of = self.instances[i].pool.index.block_of
+        return next((k for k, h in enumerate(self.chain) if h not in block_of), len(prompt))
 
     def load(self, i, now):  # requests queued or in prefill: what a router counts
         done = self.instances[i].done
@@ -2368,54 +2386,59 @@ class Fleet:
 
 
 def schedule_random(fleet, request, prompt, now):
+    """Any instance, drawn from fleet.rng: no ties."""
     return fleet.rng.randrange(len(fleet.instances)), None
 
 
 def schedule_load(fleet, request, prompt, now):
-    """The least queued work."""
-    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now)), None
+    """The least queued work; ties by fleet.pick (so in every scheduler below)."""
+    return fleet.pick([fleet.queue(i, now) for i in range(len(fleet.instances))]), None
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than
-    64 requests over the idlest and 1.5 times as many; else the replica whose past requests
-    share the longest prefix, if it covers more than 30% of the prompt; else the one that
-    has seen the least."""
+    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than 64
+    requests over the idlest and 1.5 times as many; else the replica whose past requests share
+    the longest prefix, if it covers more than 30% of the prompt; else the one that saw least."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
-        return loads.index(min(loads)), None
+        return fleet.pick(loads), None
     ids = request.hash_ids
     matched = [next((k for k, h in enumerate(ids) if h not in instance.seen), len(ids))
                for instance in fleet.instances]
     if max(matched) > threshold * len(ids):
-        return matched.index(max(matched)), None
-    sizes = [len(instance.seen) for instance in fleet.instances]
-    return sizes.index(min(sizes)), None
+        return fleet.pick([-m for m in matched]), None
+    return fleet.pick([len(instance.seen) for instance in fleet.instances]), None
+
+
+def schedule_ratio(fleet, request, prompt, now):
+    """Fig. 10's local setup (FAST'25 5.3.2, in our words): the highest prefix-match ratio, each
+    instance's own cached prefix over the prompt, load unseen."""
+    return fleet.pick([-fleet.reuse(i, prompt) for i in range(len(fleet.instances))]), None
 
 
 def schedule_local(fleet, request, prompt, now):
     """Mooncake's Algorithm 1 with each instance's own prefix: the least queue + prefill."""
-    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now) + fleet.prefill(
-        request.input_length, TRACE_ID_TOKENS * fleet.reuse(i, prompt))), None
+    return fleet.pick([fleet.queue(i, now) + fleet.prefill(request.input_length, TRACE_ID_TOKENS
+                       * fleet.reuse(i, prompt)) for i in range(len(fleet.instances))]), None
 
 
 def schedule_global(fleet, request, prompt, now):
-    """Algorithm 1 with the best prefix anywhere: an instance fetches it when it beats its own
-    by more than FETCH_THRESHOLD blocks; the least transfer + queue + prefill."""
+    """Algorithm 1 (its lines 5 and 20): an instance whose own prefix is p blocks fetches the
+    best anywhere, b, if b / p > fleet.fetch_ratio (p = 0: b / p is infinite, any b > 0 is
+    fetched), else computes past p; the least transfer + queue + prefill."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
-    best, estimates = max(cached), []
-    for i, own in enumerate(cached):
-        reuse = best if best - own > FETCH_THRESHOLD else own
-        estimates.append((fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
-            request.input_length, TRACE_ID_TOKENS * reuse), i, reuse))
-    _, i, reuse = min(estimates)
-    return i, reuse
+    reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
+    i = fleet.pick([fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
+        request.input_length, TRACE_ID_TOKENS * reuse) for i, (own, reuse) in enumerate(zip(
+            cached, reuses, strict=True))])
+    return i, reuses[i]
 
 
 FLEET_SCHEDULERS = {"random": schedule_random, "load": schedule_load,
-                    "cache_aware": schedule_cache_aware, "local": schedule_local,
-                    "global": schedule_global}
+                    "cache_aware": schedule_cache_aware, "ratio": schedule_ratio,
+                    "local": schedule_local, "global": schedule_global}
+FIG5_ROWS = ("random", "load", "cache_aware", "local", "global")  # ratio: Fig. 10's only
 
 
 @dataclass
@@ -2429,15 +2452,20 @@ class FleetRun:
 
 
 def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
-                 efficiency=FLEET_EFFICIENCIES[0], seed=0):
+                 efficiency=FLEET_EFFICIENCIES[0], seed=0, **rules):
     """Replay requests (load_trace's) on instances prefill instances of cache_blocks blocks,
     each sent where FLEET_SCHEDULERS[scheduler] says: it waits for its instance's queue
-    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there."""
-    fleet, ttfts, reused, blocks = Fleet(instances, cache_blocks, efficiency, seed), [], 0, 0
-    for number, request in enumerate(requests):
-        now, prompt = request.timestamp / 1000, trace_prompt(request, 1)  # a token an id
+    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there.
+    rules: Fleet's fetch_ratio, ties. ValueError up front for no request, or one longer than
+    cache_blocks (in full ids); one given twice is served twice."""
+    fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
+    prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
+    if len(prompts) == 0 or max(map(len, prompts)) > cache_blocks:
+        raise ValueError(f"no request, or one longer than {cache_blocks} blocks, the cache")
+    for number, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
+        now = request.timestamp / 1000
         i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, prompt, now)
-        own, instance = fleet.reuse(i, prompt), fleet.instances[i]
+        own, instance, fleet.last = fleet.reuse(i, prompt), fleet.instances[i], i
         reuse = own if reuse is None else reuse
         work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
         instance.free_at = max(now + fleet.fetch(reuse - own), instance.free_at) + work
@@ -2445,59 +2473,84 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
         instance.done.append(instance.free_at)
         instance.seen.update(request.hash_ids)
         ttfts.append(instance.free_at - now)
-        reused, blocks = reused + reuse, blocks + len(prompt)
+        reused += reuse
         Sequence(number, instance.pool, prompt).free()  # its blocks stay cached there
         if number % 1000 == 999:
             progress(f"fleet: {scheduler}, {instances} instances, request {number + 1:,}")
     progress("")
     ttfts.sort()
-    total = sum(instance.work for instance in fleet.instances)
+    total, blocks = sum(instance.work for instance in fleet.instances), sum(map(len, prompts))
     return FleetRun(sum(ttfts) / len(ttfts), ttfts[math.ceil(0.9 * len(ttfts)) - 1],
-                    reused / max(1, blocks), total / len(requests),
-                    max(instance.work for instance in fleet.instances) / total,
+                    reused / max(1, blocks), total / len(requests), max(
+                        instance.work for instance in fleet.instances) / max(total, 1e-300),
                     fleet.instances)
 
 
 def demo_fleet(path, limit):
-    """Each scheduler on FLEET_SIZES[0] instances (Fig. 5), then local vs global on [1] (10)."""
+    """Each Fig. 5 scheduler on FLEET_SIZES[0] instances, global at each fetch ratio, means with
+    ties to the lowest index, global at each efficiency; then Fig. 10 (demo_fig10)."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
-    many, few = FLEET_SIZES
+    many = FLEET_SIZES[0]
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
     print(f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
           f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s")
-    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, "
-          "conversation trace), quoted")
-    print("   scheduler     mean TTFT   p90 TTFT  hit rate  prefill s/req  busiest  Fig. 5 mean")
-    runs = {}
-    for scheduler in FLEET_SCHEDULERS:
-        run = runs[scheduler] = replay_fleet(requests, many, scheduler)
-        paper = MOONCAKE_TTFT.get(scheduler)
-        print(f"   {scheduler:<12} {run.mean_ttft:>9.2f} s {run.p90_ttft:>8.2f} s "
-              f"{run.hit_rate:>8.1%}  {run.prefill_seconds:>13.2f}  {run.busiest_share:>7.1%}"
-              + ("" if paper is None else f"  {paper:>8.2f} s"))
+    print(f"ties go by {TIES[0]}, to the first after the one chosen last; global fetches the "
+          "best prefix")
+    print(f"if over r x its own (r = {FETCH_RATIOS[0]:g} ours; with none, any)")
+    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, conversation "
+          f"trace), quoted;")
+    print(f"   ties moved: the mean TTFT with ties to the {TIES[1]}, less the table's")
+    print("   scheduler    mean TTFT  p90 TTFT  hit rate  prefill s/req  busiest  ties moved  "
+          "Fig. 5")
+    runs = {s: replay_fleet(requests, many, s) for s in FIG5_ROWS}
+    for label, run in [*runs.items(), *((f"global r={r:g}", replay_fleet(
+            requests, many, "global", fetch_ratio=r)) for r in FETCH_RATIOS[1:])]:
+        moved = replay_fleet(requests, many, label, ties=TIES[1]) if label in FIG5_ROWS[1:] else 0
+        paper = MOONCAKE_TTFT.get(label)
+        cells = (f"{moved.mean_ttft - run.mean_ttft:+.2f} s" if moved else "",
+                 "" if paper is None else f"{paper:.2f} s")
+        print(f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
+              f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{cells[0]:>12}{cells[1]:>9}"
+              .rstrip())
     best = min(runs, key=lambda s: runs[s].mean_ttft)
     print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
           f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
-    print("   mean TTFT, s, by prefill efficiency" + "".join(f"{s:>12}" for s in FLEET_SCHEDULERS))
-    for efficiency in FLEET_EFFICIENCIES:
-        means = [(runs[s] if efficiency == FLEET_EFFICIENCIES[0] else replay_fleet(
-            requests, many, s, efficiency=efficiency)).mean_ttft for s in FLEET_SCHEDULERS]
-        print(f"   {efficiency:>34.0%}" + "".join(f"{mean:>12.1f}" for mean in means))
-    local, pooled = (replay_fleet(requests, few, s) for s in ("local", "global"))
-    trace = next((t for t in MOONCAKE_GLOBAL if t.split("&")[0] in name), None)
-    print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "
-          "quoted")
-    print("   quantity           local   global   global / local   Fig. 10, this trace")
-    ratios = []
-    for row, (label, name, form) in enumerate((("hit rate", "hit_rate", ".1%"),
-                                               ("prefill s/req", "prefill_seconds", ".2f"))):
-        mine, pool = getattr(local, name), getattr(pooled, name)
-        paper = "-" if trace is None else f"{MOONCAKE_GLOBAL[trace][row]:.2f}x"
-        ratios.append(f"{pool / mine:.2f}x" if mine > 0 else "-")  # a few requests: no hit
-        print(f"   {label:<15} {mine:>8{form}} {pool:>8{form}} {ratios[-1]:>16} {paper:>19}")
-    print(f"   here one global pool reuses {ratios[0]} the blocks local caches do, and needs "
-          f"{ratios[1]}")
-    print("   their prefill time (our local caches are already routed to, by Algorithm 1)")
+    print("   global's mean TTFT at the other prefill efficiencies: " + "; ".join(
+        f"at {e:.0%}, {replay_fleet(requests, many, 'global', efficiency=e).mean_ttft:.2f} s"
+        for e in FLEET_EFFICIENCIES[1:]))
+    demo_fig10(requests, name)
+
+
+def demo_fig10(requests, name):
+    """Fig. 10 on FLEET_SIZES[1] instances: three local setups' hit rate and prefill beside their
+    global ones and Fig. 10's bars (if name is a Mooncake trace), then the one nearest them."""
+    few, trace = FLEET_SIZES[1], next((t for t in FIG10 if t.split("&")[0] in name), None)
+    everywhere, one, pooled = (replay_fleet(requests, n, s, cache_blocks=b) for n, s, b in (
+        (few, "global", THREE_M), (1, "load", THREE_M), (1, "load", few * THREE_M)))
+    pairs = {"the paper's: by prefix ratio": (replay_fleet(requests, few, "ratio"), everywhere),
+             "Algorithm 1: queue + prefill": (replay_fleet(requests, few, "local"), everywhere),
+             f"one {THREE_M:,}-block LRU": (one, pooled)}  # a local setup, and its global one
+    rows = {label: (mine.hit_rate, mine.prefill_seconds, pool.hit_rate, pool.prefill_seconds)
+            for label, (mine, pool) in pairs.items()} | ({} if trace is None else {
+                f"Fig. 10, {trace}": FIG10[trace]})
+    print(f"2. local caches (each node its own) against global (Algorithm 1; for the LRU, one "
+          f"{few * THREE_M:,}-block LRU),")
+    print(f"   {few} instances; Fig. 10's bars  hit rate  prefill s/req   global: hit rate  prefill"
+          "  hits  prefill")
+    for label, (hits, seconds, global_hits, global_seconds) in rows.items():
+        ratios = [f"{g / m:.2f}x" if hits > 0 else "-" for g, m in ((global_hits, hits),
+                                                                     (global_seconds, seconds))]
+        print(f"   {label:<30} {hits:>8.1%} {seconds:>14.2f} {global_hits:>18.1%} "
+              f"{global_seconds:>8.2f} {ratios[0]:>5} {ratios[1]:>8}")
+    if trace is not None:
+        local, _, pool, _ = FIG10[trace]
+        off = {k: max(abs(row[0] - local), abs(row[2] - pool)) for k, row in [*rows.items()][:3]}
+        near, (ratio, _) = min(off, key=off.get), pairs["the paper's: by prefix ratio"]
+        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, at most {off[near]:.1%} off (the "
+                        f"others {', '.join(f'{off[k]:.1%}' for k in off if k != near)}): one 3M-"
+                        f"token cache seeing every request hits {one.hit_rate:.1%}, the local bar "
+                        f"{local:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
+                        f" of the prefill, the local caches hit {ratio.hit_rate:.1%}"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -1513,15 +1513,81 @@ class TestPart12Fleet:
                 for seed in (1, 1, 2)]
         assert runs[0] == runs[1] != runs[2]
 
-    @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "local", "global"])
-    def test_every_instances_pool_keeps_its_invariants_after_a_replay(self, lab, scheduler):
+    @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "ratio", "local",
+                                           "global"])
+    @pytest.mark.parametrize("ties", ["round robin", "lowest index"])
+    def test_every_instances_pool_keeps_its_invariants_after_a_replay(self, lab, scheduler, ties):
         rng = random.Random(3)
         requests = [lab.TraceRequest(t * 300, 512 * 6, 1, list(range(s, s + 6)))
                     for t, s in enumerate(rng.randrange(4) * 3 for _ in range(40))]
-        run = lab.replay_fleet(requests, 3, scheduler, cache_blocks=8)
-        for instance in run.instances:
+        run = lab.replay_fleet(requests, 3, scheduler, cache_blocks=8, ties=ties)
+        fleet = lab.Fleet(3, 8, lab.FLEET_EFFICIENCIES[0], 0)
+        fleet.instances = run.instances
+        for i, instance in enumerate(run.instances):
             lab.check_invariants(instance.pool, [])
-        assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "local", "global"}
+            for prompt in ([], [0, 1, 2], list(range(3, 9))):  # reuse, against the index's match
+                assert fleet.reuse(i, prompt) == len(instance.pool.index.match(prompt)[0])
+        assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "ratio", "local",
+                                             "global"}
+
+    def test_pick_breaks_a_tie_by_round_robin_after_the_last_choice_or_by_lowest_index(self, lab):
+        fleet = lab.Fleet(4, 1, lab.FLEET_EFFICIENCIES[0], 0)
+        fleet.last = 1
+        assert fleet.pick([0, 5, 3, 0]) == 3 and fleet.pick([5, 5, 0, 5]) == 2
+        fleet.ties = "lowest index"
+        assert fleet.pick([0, 5, 3, 0]) == 0
+
+    @pytest.mark.parametrize("ties, busiest", [("round robin", 1 / 3), ("lowest index", 1.0)])
+    def test_idle_instances_share_requests_by_the_tie_rule(self, lab, ties, busiest):
+        requests = [timed(lab, [k], at=100 * k)[0] for k in range(3)]  # each done before the next
+        run = lab.replay_fleet(requests, 3, "load", ties=ties)
+        assert run.busiest_share == pytest.approx(busiest)
+
+    @pytest.mark.parametrize("ratio, own, reuse", [(2.0, 4, 10), (4.0, 4, 4), (100.0, 0, 10)])
+    def test_global_fetches_when_the_best_prefix_over_its_own_exceeds_the_ratio(self, lab, ratio,
+                                                                                own, reuse):
+        fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0, fetch_ratio=ratio)
+        lab.Sequence(0, fleet.instances[0].pool, list(range(10))).free()
+        lab.Sequence(1, fleet.instances[1].pool, list(range(own))).free()
+        fleet.instances[0].free_at = 1000.0  # the holder is busy: instance 1 gets the request
+        request = timed(lab, range(10))[0]
+        assert lab.schedule_global(fleet, request, lab.trace_prompt(request, 1), 0.0) == (1, reuse)
+
+    def test_ratio_sends_a_request_to_its_longest_cached_prefix_however_busy(self, lab):
+        fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0)
+        lab.Sequence(0, fleet.instances[0].pool, [1, 2]).free()
+        fleet.instances[0].free_at = 1000.0
+        assert lab.schedule_ratio(fleet, timed(lab, [1, 2, 3])[0], [1, 2, 3], 0.0) == (0, None)
+
+    def test_a_replay_refuses_no_request_or_one_longer_than_the_cache_and_serves_a_repeat(
+            self, lab):
+        for requests in ([], timed(lab, range(11))):
+            with pytest.raises(ValueError):
+                lab.replay_fleet(requests, 2, "global", cache_blocks=10)
+        assert lab.replay_fleet(timed(lab, [1, 2]) * 2, 2, "global").hit_rate == 0.5
+
+    def test_fig_10_prints_the_bars_of_a_mooncake_trace_and_the_setup_nearest_them(
+            self, lab, tmp_path, capsys):
+        rng, path = random.Random(4), tmp_path / "synthetic_trace.jsonl"
+        path.write_text("".join(json.dumps({"timestamp": 50 * i, "input_length": 512 * 4,
+                                            "output_length": 8, "hash_ids": [s, s + 1, s + 2,
+                                                                              100 + i]}) + "\n"
+                                for i, s in enumerate(rng.randrange(6) * 3 for _ in range(60))))
+        requests = lab.load_trace(str(path))
+        lab.demo_fig10(requests, path.name)
+        out = capsys.readouterr().out
+        local, _, pool, _ = lab.FIG10["synthetic"]
+        runs = {"the paper's: by prefix ratio": ("ratio", 10, "global", 10, 1),
+                "Algorithm 1: queue + prefill": ("local", 10, "global", 10, 1),
+                f"one {lab.THREE_M:,}-block LRU": ("load", 1, "load", 1, 10)}  # pooled: 10 x 3M
+        off = {}
+        for label, (mine, n, theirs, m, times) in runs.items():
+            hits = lab.replay_fleet(requests, n, mine).hit_rate
+            pooled = lab.replay_fleet(requests, m, theirs, cache_blocks=times * lab.THREE_M)
+            off[label] = max(abs(hits - local), abs(pooled.hit_rate - pool))
+            assert re.search(rf"^   {re.escape(label)} +{hits:.1%} ", out, re.MULTILINE)
+        assert f"nearest Fig. 10's hit rates: {min(off, key=off.get)}," in out
+        assert max(map(len, out.splitlines())) <= 100
 
     def test_a_trace_with_no_local_hit_prints_no_global_over_local_ratio(self, lab, tmp_path,
                                                                           capsys):
@@ -1530,7 +1596,8 @@ class TestPart12Fleet:
                                             "output_length": 8, "hash_ids": [2 * i, 2 * i + 1]})
                                 + "\n" for i in range(3)))
         lab.demo_fleet(str(path), None)
-        assert re.search(r"^   hit rate +0\.0% +0\.0% +- ", capsys.readouterr().out, re.MULTILINE)
+        assert re.search(r"^   Algorithm 1: queue \+ prefill +0\.0% .* - +-$", capsys.readouterr().out,
+                         re.MULTILINE)
 
     @needs_traces
     def test_the_first_1000_conversation_requests_replay(self, lab):
