@@ -2560,22 +2560,31 @@ def demo_fig10(requests, name):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
+SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed); more may follow
+TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ())}  # each
+# f(path, limit, and its options by name); a new section is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
 def knob_ranges(b):
     """The knobs a learner may edit whose bad values fail far from their cause (a hang, a
-    ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
-    outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
+    ZeroDivisionError in a demo): name -> (value, low, high) at block size b; main refuses a value
+    outside low..high, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
-    counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
-              "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
-    return {**dict.fromkeys(counts, (1, math.inf)), "PREFILL_EFFICIENCIES": (0.01, 1),
-            "COPY_LATENCY_S": (0, 1), "FLEET_EFFICIENCIES": (0.01, 1), "ACTUAL_LEN": (1, MAX_LEN),
-            "EVICT_SIZES": (1, SWAP_TOKENS), "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
-            "SWEEP_SIZES": (1, MAX_BLOCK_SIZE), "POOL_TOKENS": (MAX_LEN + b, math.inf),
-            "CACHE_POOLS": (b, math.inf), "MAX_SEQ_LEN": (2, math.inf),
-            "SERVING_LIFETIMES": (0.1, math.inf), "BENCH_POOLS": (max(100, b), math.inf)}
+    count = (1, math.inf)  # at least 1
+    return {"CHAT_TURNS": (CHAT_TURNS, *count), "CHAT_CONVERSATIONS": (CHAT_CONVERSATIONS, *count),
+            "EVICT_REQUESTS": (EVICT_REQUESTS, *count), "EVICT_SEEDS": (EVICT_SEEDS, *count),
+            "SWAP_TOKENS": (SWAP_TOKENS, *count), "SWEEP_SEEDS": (SWEEP_SEEDS, *count),
+            "SWEEP_SYSTEM_LEN": (SWEEP_SYSTEM_LEN, *count), "FLEET_SIZES": (FLEET_SIZES, *count),
+            "BENCH_REPEATS": (BENCH_REPEATS, *count), "COPY_LATENCY_S": (COPY_LATENCY_S, 0, 1),
+            "PREFILL_EFFICIENCIES": (PREFILL_EFFICIENCIES, 0.01, 1), "FLEET_EFFICIENCIES": (
+                FLEET_EFFICIENCIES, 0.01, 1), "ACTUAL_LEN": (ACTUAL_LEN, 1, MAX_LEN),
+            "EVICT_SIZES": (EVICT_SIZES, 1, SWAP_TOKENS), "NUM_SAMPLES": (NUM_SAMPLES, 1, widest),
+            "BEAM_WIDTHS": (BEAM_WIDTHS, 1, widest), "SWEEP_SIZES": (SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
+            "POOL_TOKENS": (POOL_TOKENS, MAX_LEN + b, math.inf), "CACHE_POOLS": (CACHE_POOLS, b,
+            math.inf), "MAX_SEQ_LEN": (MAX_SEQ_LEN, 2, math.inf), "SERVING_LIFETIMES": (
+                SERVING_LIFETIMES, 0.1, math.inf), "BENCH_POOLS": (BENCH_POOLS, max(100, b),
+                                                                    math.inf)}
 
 
 STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the banners' names; 1-5: the core
@@ -2601,58 +2610,88 @@ def starter(step, path):
     pathlib.Path(path).write_text("".join(lines), encoding="utf-8")
 
 
+def int_in(low, high=math.inf):
+    """An argparse type: an int in low..high."""
+    def parse(text):
+        value = int(text)  # a ValueError: argparse's "invalid int value"
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}" if high < math.inf
+                                             else f"{value} is not >= {low}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def section_name(text):  # an argparse type: choices= refuses nargs="*" given none (3.10, 3.11)
+    if text not in SECTIONS:
+        raise argparse.ArgumentTypeError(f"no section {text!r} (choose from {', '.join(SECTIONS)})")
+    return text
+
+
+def add_options(parser, flags, suppress=("--block-size", "--seed")):
+    """Add flags' options to parser; those in suppress default to argparse.SUPPRESS, so that the
+    default run's, given before a command, stays."""
+    options = {"--block-size": dict(type=int_in(1, MAX_BLOCK_SIZE), default=BLOCK_SIZE,
+                                    help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default 16)"),
+               "--seed": dict(type=int_in(0), help="seed every workload, >= 0 (default: ours)"),
+               "--requests": dict(type=int_in(1), dest="limit", help="the first N only"),
+               "--index": dict(choices=list(INDEXES), default="hash", help="(default hash)")}
+    for flag in flags:
+        parser.add_argument(flag, **{**options[flag], **({} if flag == "--index" else {
+            "metavar": "N"}), **({"default": argparse.SUPPRESS} if flag in suppress else {})})
+
+
+def command_line():
+    """The parser: with no command the default run, else one command, each with its --help."""
+    parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab; "
+                                     f"no command: the default run ({', '.join(CORE)}).")
+    add_options(parser, ("--block-size", "--seed"), suppress=())
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    def command(name, about, *flags):  # about: a string, or what the command runs (its doc)
+        about = about if type(about) is str else inspect.getdoc(about) or ""
+        first, *more = about.split("\n")
+        add_options(sub := commands.add_parser(name, help=first + " ..." * (len(more) > 0),
+                                               description=about), flags)
+        return sub
+    for name, demo in SECTIONS.items():
+        command(name, demo, "--block-size", "--seed").add_argument(
+            "more", nargs="*", type=section_name, metavar="SECTION", help="more, run in order")
+    command("all", f"the core and the extensions ({', '.join(EXTENSIONS)})", "--block-size",
+            "--seed")
+    for name, (demo, flags) in TRACED.items():
+        command(name, demo, "--requests", *flags).add_argument("path", metavar="PATH", help=(
+            "a Mooncake-format JSONL file (FAST25-release/traces/ of kvcache-ai/Mooncake)"))
+    steps = command("starter", starter)
+    steps.add_argument("step", choices=STEPS, help="the step to write")
+    steps.add_argument("file", metavar="FILE", help="where it goes")
+    return parser
+
+
 def main(argv=None):
-    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace, fleet, starter
-    choices = f"{', '.join(every)}, all, trace PATH, fleet PATH, starter STEP FILE"
-    parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab.")
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line
-    parser.add_argument("sections", nargs="*", metavar="SECTION",
-                        help=f"any of: {choices} (default: {', '.join(CORE)})")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
-                        help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE})")
-    parser.add_argument("--seed", type=int, metavar="N", help="seed every workload (default: ours)")
-    parser.add_argument("--requests", type=int, metavar="N", help="trace, fleet: the first N only")
-    parser.add_argument("--index", choices=list(INDEXES), default="hash",
-                        help="trace: the prefix cache's index (default hash)")
+    parser, argv = command_line(), sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    names = args.sections or list(CORE)
-    section = name = names[0] if args.sections else "the default run"  # section: what failed
-    allowed = {"starter": [], "fleet": ["--requests"], "trace": ["--block-size", "--requests",
-               "--index"]}.get(name, ["--block-size", "--seed"])  # fleet: a block is an id
-    for flag in ("--block-size", "--seed", "--requests", "--index"):
-        dest = flag[2:].replace("-", "_")
-        if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
-            parser.error(f"{name} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
-    if name == "starter" and (len(names) != 3 or names[1] not in STEPS):
-        parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}; FILE, where it goes")
-    if name in ("trace", "fleet") and len(names) != 2:
-        parser.error(f"{name} PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
-                     "FAST25-release/traces/ of kvcache-ai/Mooncake)")
-    names = [*CORE, *EXTENSIONS] if names == ["all"] else names
-    unknown = [section for section in names if section not in every]
-    if name not in ("starter", "trace", "fleet") and len(unknown) > 0:
-        parser.error(f"no section {unknown[0]!r} here; choose from {choices} (all stands alone)")
-    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
-        parser.error(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
-    if (args.seed or 0) < 0 or (args.requests is not None and args.requests < 1):
-        parser.error("--seed must be >= 0 and --requests >= 1")
+    if args.command in (*TRACED, "starter") and argv[0] != args.command:
+        parser.error(f"{args.command}'s options go after it")  # those before are the sections'
+    name = args.command or "the default run"  # name: what failed
     try:
-        if name == "starter":  # before the knob checks: a starter's own parts may be empty
-            return starter(*names[1:])
-        for knob, (low, high) in knob_ranges(args.block_size).items():
-            value = globals()[knob]
+        if args.command == "starter":  # before the knob checks: a starter's own parts may be empty
+            return starter(args.step, args.file)
+        for knob, (value, low, high) in knob_ranges(args.block_size).items():
             values = value if isinstance(value, tuple) else (value,)
             if len(values) == 0 or not all(low <= v <= high for v in values):
-                parser.error(f"knob {knob} must be in {low}..{high}, got {value!r}")
-        if name == "fleet":
-            demo_fleet(names[1], args.requests)
-        elif name == "trace":
-            demo_trace(names[1], args.requests, args.block_size, args.index)
+                parser.exit(2, f"{parser.prog}: error: knob {knob} must be in {low}..{high}, got "
+                               f"{value!r}\n")
+        if args.command in TRACED:
+            demo, flags = TRACED[args.command]
+            demo(path=args.path, limit=args.limit, **{f[2:].replace("-", "_"): getattr(
+                args, f[2:].replace("-", "_")) for f in flags})
         else:
-            for i, section in enumerate(names):
+            names = [*CORE, *EXTENSIONS] if name == "all" else [args.command, *args.more] if \
+                args.command is not None else list(CORE)
+            for i, name in enumerate(names):
                 print("" if i == 0 else "\n", end="")
-                every[section](args.block_size, args.seed)
-            if args.sections == []:
+                SECTIONS[name](args.block_size, args.seed)
+            if args.command is None:
                 print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
                       "trace PATH, fleet PATH")
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
@@ -2660,7 +2699,7 @@ def main(argv=None):
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.error(f"{section}: {type(error).__name__}: {error}")  # a knob a class refused
+        parser.exit(2, f"{parser.prog}: error: {name}: {type(error).__name__}: {error}\n")  # knob
 
 
 if __name__ == "__main__":

@@ -1613,18 +1613,57 @@ class TestPart12Fleet:
 class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
-                                      ["--seed", "-1"], ["nope"], ["trace"],
+                                      ["--seed", "-1"], ["nope"], ["trace"], ["cache", "nope"],
                                       ["starter", "13", "f.py"], ["starter", "6", "f.py"],
-                                      ["--index", "tree"],
+                                      ["--index", "tree"], ["trace", "t.jsonl", "--index", "x"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
                                       ["trace", "t.jsonl", "--seed", "1"],
-                                      ["starter", "1", "f.py", "--block-size", "8"],
-                                      ["starter", "1", "/no/such/folder/f.py"],
-                                      ["starter", "1", "."]])
-    def test_bad_options_exit_2_with_one_line(self, lab, capsys, argv):
+                                      ["--seed", "1", "trace", "t.jsonl"],
+                                      ["fleet", "t.jsonl", "--block-size", "8"],
+                                      ["fleet", "t.jsonl", "--requests", "0"],
+                                      ["starter", "1", "f.py", "--block-size", "8"]])
+    def test_a_bad_command_line_exits_2_with_argparses_usage_and_error(self, lab, capsys, argv):
+        with pytest.raises(SystemExit) as exit_:
+            lab.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and err[0].startswith("usage: solution.py")
+        assert err[-1].startswith("solution.py") and len(err) >= 2
+
+    @pytest.mark.parametrize("argv", [["starter", "1", "/no/such/folder/f.py"],
+                                      ["starter", "1", "."], ["fleet", "/no/such/t.jsonl"]])
+    def test_a_file_that_cannot_be_read_or_written_exits_2_with_one_line(self, lab, capsys, argv):
         with pytest.raises(SystemExit) as exit_:
             lab.main(argv)
         assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+    @pytest.mark.parametrize("argv", [[], ["cache"], ["all"], ["trace"], ["fleet"], ["starter"]])
+    def test_help_lists_the_commands_and_each_commands_options(self, lab, capsys, argv):
+        with pytest.raises(SystemExit) as exit_:
+            lab.main([*argv, "--help"])
+        out = capsys.readouterr().out
+        wanted = {(): [*lab.SECTIONS, "all", *lab.TRACED, "starter"], ("cache",): ["--seed"],
+                  ("all",): ["--block-size"], ("trace",): ["--requests", "--index", "PATH"],
+                  ("fleet",): ["--requests"], ("starter",): ["FILE"]}[tuple(argv)]
+        assert exit_.value.code == 0 and all(word in out for word in wanted)
+
+    def test_options_before_a_section_or_after_it_are_the_same(self, lab, capsys):
+        outs = []
+        for argv in (["--block-size", "4", "--seed", "2", "memory"],
+                     ["memory", "--block-size", "4", "--seed", "2"]):
+            lab.main(argv)
+            outs.append(capsys.readouterr().out)
+        lab.main(["memory"])
+        assert outs[0] == outs[1] != capsys.readouterr().out
+
+    def test_a_new_section_is_one_entry_in_a_table(self, lab, capsys, monkeypatch):
+        calls = []
+        monkeypatch.setitem(lab.SECTIONS, "hello", lambda block_size, seed: calls.append(
+            (block_size, seed)))
+        monkeypatch.setitem(lab.TRACED, "hybrid", (lambda path, limit, block_size, seed: calls.append(
+            (path, limit, block_size, seed)), ("--block-size", "--seed")))
+        lab.main(["hello", "--seed", "3"])
+        lab.main(["hybrid", "t.jsonl", "--requests", "5", "--seed", "2"])
+        assert calls == [(16, 3), ("t.jsonl", 5, 16, 2)]
 
     @pytest.mark.parametrize("knob, value", [("ACTUAL_LEN", 0), ("POOL_TOKENS", 100),
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
