@@ -1422,56 +1422,81 @@ def swap_out(seq, host):
 
 
 def swap_in(seq_id, tokens, host_blocks, host, gpu):
-    """Copy host blocks back into new GPU blocks, freeing them, and rebuild the sequence."""
+    """Copy host blocks back into new GPU blocks, freeing them, and rebuild the sequence (its
+    full blocks told to gpu's cache_blocks hook, as a prefill's are)."""
     seq = Sequence(seq_id, gpu)
     seq.block_table.extend(gpu.allocate_many(len(host_blocks)))
     for host_block, gpu_block in zip(host_blocks, seq.block_table, strict=True):
         gpu.kv_cache.write(gpu_block, 0, host.read(host_block))
         host.free(host_block)
     seq.tokens.extend(tokens)
+    gpu.cache_blocks(seq.block_table, seq.tokens, 0, len(seq.block_table))
     return seq
 
 
+@dataclass
+class Running:
+    seq: Sequence
+    request: Request
+    stepped: int  # the last step it was admitted, resumed or given a token
+
+
+@dataclass
+class Preempted:
+    request: Request
+    tokens: list       # its tokens when preempted
+    host_blocks: list  # where swap copied its blocks; None: recompute them
+
+
 class Scheduler:
-    """Each step on a plain GPU pool: resume the preempted, then, if none waits, admit arrived ones,
-    both by (arrival, req_id) while they fit, keeping 1% of blocks free (NOTE: vLLM v0's watermark;
-    at least 1 here); give each running one a token by req_id, preempting, when blocks run out, the
-    least recently stepped (ties: latest arrival, then highest req_id) by "recompute" or "swap" to a
-    host pool of its block size (else ValueError). finished: req_id -> its tokens. NOTE: vLLM v1
-    preempts the last admitted (running.pop()), always recomputing; ours spares one just resumed."""
+    """Each step on a GPU pool (a prefix-caching one too): resume the preempted, then, if none
+    waits, admit arrived ones, both by (arrival, req_id) while they fit, keeping 1% of blocks free
+    (NOTE: vLLM v0's watermark; at least 1 here); give each running one a token by req_id,
+    preempting, when blocks run out, the least recently stepped (ties: latest arrival, then
+    highest req_id) by "recompute" or "swap" to a host pool of its block size (else ValueError).
+    running, preempted: req_id -> Running, Preempted; finished: req_id -> its tokens. NOTE: vLLM
+    v1 preempts the last admitted (running.pop()), always recomputing; ours spares one resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
             raise ValueError(f"policy must be 'recompute', or 'swap' with a host pool: {policy!r}")
         self.gpu, self.host, self.policy = gpu, host, policy
         self.margin = max(1, gpu.num_blocks // 100)
-        self.running, self.preempted, self.finished = {}, {}, {}  # running: seq, request, last step
+        self.running, self.preempted, self.finished = {}, {}, {}
         self.stats = PreemptionStats()
 
     def run(self, requests):
-        """Serve requests (distinct req_ids, prompts of token ids) until every one finishes;
-        return finished. ValueError up front for a request that could never fit: it would wait."""
+        """Serve requests until every one finishes; return finished. Refused up front, changing
+        nothing: a req_id given twice or finished before (ValueError), a bad prompt or max_tokens
+        (TypeError or ValueError naming it), one that could never fit (ValueError: it would wait)."""
+        requests, ids = list(requests), Counter(request.req_id for request in requests)
         for request in requests:
+            if ids[request.req_id] > 1 or request.req_id in self.finished:
+                raise ValueError(f"req_id {request.req_id} is given twice, or finished before")
+            check_tokens(request.prompt)
+            check_int(request.max_tokens, f"request {request.req_id}'s max_tokens", 0)
             if not self._fits(len(request.prompt) + request.max_tokens):
                 raise ValueError(f"request {request.req_id} can never fit the free GPU blocks")
-        queue, step = sorted(requests, key=lambda r: (r.arrival, r.req_id)), 0  # not yet admitted
+        queue = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id)))  # not yet admitted
+        step = 0
         while len(queue) + len(self.running) + len(self.preempted) > 0:
             if len(self.running) + len(self.preempted) == 0:
                 step = max(step, queue[0].arrival)  # idle until the next arrival: skip
-            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r][0].arrival, r)):
-                if not self._fits(len(self.preempted[req_id][1])):
+            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r].request.arrival,
+                                                                r)):
+                if not self._fits(len(self.preempted[req_id].tokens)):
                     break  # nobody overtakes them
-                request, tokens, host_blocks = self.preempted.pop(req_id)
-                if host_blocks is None:
-                    self.stats.recomputed_tokens += len(tokens)
-                    seq = Sequence(req_id, self.gpu, tokens)
+                out = self.preempted.pop(req_id)
+                if out.host_blocks is None:
+                    self.stats.recomputed_tokens += len(out.tokens)
+                    seq = Sequence(req_id, self.gpu, out.tokens)
                 else:
-                    self.stats.swapped_in_blocks += len(host_blocks)
-                    seq = swap_in(req_id, tokens, host_blocks, self.host, self.gpu)
-                self._run(request, seq, step)
+                    self.stats.swapped_in_blocks += len(out.host_blocks)
+                    seq = swap_in(req_id, out.tokens, out.host_blocks, self.host, self.gpu)
+                self._run(out.request, seq, step)
             while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
                     and self._fits(len(queue[0].prompt)):
-                request = queue.pop(0)
+                request = queue.popleft()
                 self._run(request, Sequence(request.req_id, self.gpu, request.prompt), step)
             for req_id in sorted(self.running):
                 if req_id in self.running:  # not preempted earlier in this step
@@ -1484,22 +1509,24 @@ class Scheduler:
         return cdiv(num_tokens, self.gpu.block_size) + self.margin <= self.gpu.num_free
 
     def _run(self, request, seq, step):
-        self.running[request.req_id] = (seq, request, step)
+        self.running[request.req_id] = Running(seq, request, step)
         if len(seq) == len(request.prompt) + request.max_tokens:  # done
             self.finished[request.req_id] = seq.read()
             seq.free()
             del self.running[request.req_id]
 
     def _decode(self, req_id, step):
-        seq, request, _ = self.running[req_id]
+        seq, request = self.running[req_id].seq, self.running[req_id].request
         while len(seq) % self.gpu.block_size == 0 and self.gpu.num_free == 0:  # needs a block
             self._preempt(min((r for r in self.running if r != req_id),  # run's check: r exists
-                              key=lambda r: (self.running[r][2], -self.running[r][1].arrival, -r)))
+                              key=lambda r: (self.running[r].stepped,
+                                             -self.running[r].request.arrival, -r)))
         seq.append(next_token(req_id, len(seq)))
         self._run(request, seq, step)
 
     def _preempt(self, req_id):
-        (seq, request, _), host_blocks = self.running.pop(req_id), None
+        victim, host_blocks = self.running.pop(req_id), None
+        seq = victim.seq
         self.stats.preemptions += 1
         self.stats.preempted_blocks += len(seq.block_table)
         if self.policy == "swap":
@@ -1508,7 +1535,7 @@ class Scheduler:
             else:
                 host_blocks = swap_out(seq, self.host)
                 self.stats.swapped_out_blocks += len(host_blocks)
-        self.preempted[req_id] = (request, list(seq.tokens), host_blocks)
+        self.preempted[req_id] = Preempted(victim.request, list(seq.tokens), host_blocks)
         seq.free()
 
 
@@ -2211,15 +2238,16 @@ def demo_trace(path, limit, block_size, index="hash"):
           "cache passes")
     print("   pool blocks           tokens      LRU  optimal   LRU/optimal  optimal/ceiling")
     for s in sizes:
-        lru, optimal = rate("lru", s), rate("optimal", s)
-        print(f"   {s:>11,}  {s * TRACE_ID_TOKENS:>15,}  {lru:>7.1%}  {optimal:>7.1%}   "
-              f"{lru / max(optimal, 1e-9):>11.0%}  {optimal * total / ceiling:>15.0%}")
+        lru_rate, optimal_rate = rate("lru", s), rate("optimal", s)
+        print(f"   {s:>11,}  {s * TRACE_ID_TOKENS:>15,}  {lru_rate:>7.1%}  {optimal_rate:>7.1%}   "
+              f"{lru_rate / max(optimal_rate, 1e-9):>11.0%}  "
+              f"{optimal_rate * total / ceiling:>15.0%}")
     for share in (0.5, KNEE):  # the pool that never evicts reaches the ceiling
-        lru, optimal = (min(s for s in sizes if rate(p, s) * total >= share * ceiling)
-                        for p in ("lru", "optimal"))
-        print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru:,} blocks, the "
-              f"optimum's {optimal:,}")
-    center = THREE_M if THREE_M in sizes else optimal  # else the knee: the optimum's at KNEE
+        lru_pool, optimal_pool = (min(s for s in sizes if rate(p, s) * total >= share * ceiling)
+                                  for p in ("lru", "optimal"))
+        print(f"   the first pool here at {share:.0%} of the ceiling: LRU's {lru_pool:,} blocks, "
+              f"the optimum's {optimal_pool:,}")
+    center = THREE_M if THREE_M in sizes else optimal_pool  # else the knee: the optimum's at KNEE
     near = sizes[max(0, sizes.index(center) - 1):sizes.index(center) + 2]  # and its neighbours
     trace_gap([s for s in near if s < roomy], rate)  # where policies differ: they evict
     if index == "radix":
@@ -2268,28 +2296,30 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # ---------------------------------------------------------------------------------------
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
-# Behind a router, each prefill instance has its own prefix cache: spread requests for load
-# and the caches stop hitting; send each to its longest cached prefix and the hot prefixes
-# pile onto one instance. An instance here is a PrefixCachingAllocator (a block a 512-token
-# hash id) with a FIFO prefill queue; requests arrive at the trace's timestamps. NOTE: decode
-# is out of scope, as in Mooncake's Fig. 10; a prompt's blocks are cached when scheduled.
-# Time, Mooncake (Qin et al., FAST'25) Eq. 1 and Table 1, LLaMA3-70B on 8 x A800:
-#   flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4, b = 22; a cached prefix of p
-#   tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x an efficiency, 30% the
-#   lab's choice, 20% and 50% shown too. A prefix fetched from another instance moves
-#   l x 2 (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device,
-#   an 800 Gbps NIC).
+# Behind a router, each prefill instance has its own prefix cache: spread requests for load and
+# the caches stop hitting; send each to its longest cached prefix and hot prefixes pile onto one
+# instance. An instance: a PrefixCachingAllocator (a block a 512-token hash id), a FIFO prefill
+# queue; requests arrive at the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's
+# Fig. 10; a prompt's blocks are cached when scheduled. Time, Mooncake (Qin et al., FAST'25) Eq. 1
+# and Table 1, LLaMA3-70B on 8 x A800: flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4,
+# b = 22; a cached prefix of p tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x
+# an efficiency (30% ours; 20%, 50% shown). A prefix fetched from another instance moves l x 2
+# (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device, 800 Gbps NIC).
 FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
 FLEET_FLOPS = 8 * 312e12
 FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # the first is the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
-FETCH_THRESHOLD = 2  # blocks a remote prefix must beat the local one by to be fetched: ours
+FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold: ours first, unstated
+# there; arXiv 2407.00079, 6.2: "we prefer to compute the input tokens if the best remote prefix
+# match length is no larger than the current local reusable prefix multiplied by a threshold"
+TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn, "Round-robin is
+# performed within groups of servers of the same load" (its configuration manual)
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
-MOONCAKE_GLOBAL = {"conversation": (2.22, 0.76), "tool&agent": (1.38, 0.74), "synthetic": (
-    2.36, 0.52)}  # Fig. 10: hit rate and prefill GPU time, global / local
+FIG10 = {"conversation": (0.169, 1.38, 0.375, 1.05), "tool&agent": (0.420, 0.70, 0.581, 0.52),
+         "synthetic": (0.264, 1.50, 0.622, 0.78)}  # its bars: hit rate, prefill s, local, global
 
 
 def flops(tokens):  # Eq. 1
@@ -2306,12 +2336,22 @@ class Instance:
 
 
 class Fleet:
-    """The instances, the efficiency, a Random for "random", and what a scheduler asks."""
+    """The instances; the efficiency, fetch ratio and tie rule; a Random for "random"; last, the
+    instance chosen last; and what a scheduler asks."""
 
-    def __init__(self, instances, cache_blocks, efficiency, seed):
+    def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
+                 ties=TIES[0]):
         self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1))
-                          for _ in range(instances)]
-        self.efficiency, self.rng = efficiency, random.Random(seed)
+                          for _ in range(check_int(instances, "instances"))]
+        self.efficiency, self.rng, self.fetch_ratio = efficiency, random.Random(seed), fetch_ratio
+        self.ties, self.last, self.prompt = ties, -1, None
+
+    def pick(self, keys):
+        """The instance of the least key; among equals, by "round robin" the first after last,
+        else the lowest index. Example, 4 instances, last 1, keys [0, 5, 3, 0]: 3 (lowest: 0)."""
+        tied = [i for i, key in enumerate(keys) if key == min(keys)]
+        return tied[0] if self.ties == "lowest index" else min(
+            tied, key=lambda i: (i - self.last - 1) % len(keys))
 
     def prefill(self, tokens, cached):
         """Seconds to prefill tokens of which the first cached are in the cache."""
@@ -2324,8 +2364,13 @@ class Fleet:
         return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
 
     def reuse(self, i, prompt):
-        """The leading blocks of prompt instance i holds, as its index matches them."""
-        return len(self.instances[i].pool.index.match(prompt)[0])
+        """The leading blocks of prompt instance i holds, as its index.match finds them; NOTE: by
+        prompt's hash chain (hash_block_tokens) in its block_of, the chain hashed once a prompt."""
+        if prompt is not self.prompt:  # NONE_HASH: hash_block_tokens' parent of a first block
+            self.prompt, self.chain = prompt, [*itertools.accumulate(
+                ([token] for token in prompt), hash_block_tokens, initial=NONE_HASH)][1:]
+        block_of = self.instances[i].pool.index.block_of
+        return next((k for k, h in enumerate(self.chain) if h not in block_of), len(prompt))
 
     def load(self, i, now):  # requests queued or in prefill: what a router counts
         done = self.instances[i].done
@@ -2335,54 +2380,59 @@ class Fleet:
 
 
 def schedule_random(fleet, request, prompt, now):
+    """Any instance, drawn from fleet.rng: no ties."""
     return fleet.rng.randrange(len(fleet.instances)), None
 
 
 def schedule_load(fleet, request, prompt, now):
-    """The least queued work."""
-    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now)), None
+    """The least queued work; ties by fleet.pick (so in every scheduler below)."""
+    return fleet.pick([fleet.queue(i, now) for i in range(len(fleet.instances))]), None
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than
-    64 requests over the idlest and 1.5 times as many; else the replica whose past requests
-    share the longest prefix, if it covers more than 30% of the prompt; else the one that
-    has seen the least."""
+    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than 64
+    requests over the idlest and 1.5 times as many; else the replica whose past requests share
+    the longest prefix, if it covers more than 30% of the prompt; else the one that saw least."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
-        return loads.index(min(loads)), None
+        return fleet.pick(loads), None
     ids = request.hash_ids
     matched = [next((k for k, h in enumerate(ids) if h not in instance.seen), len(ids))
                for instance in fleet.instances]
     if max(matched) > threshold * len(ids):
-        return matched.index(max(matched)), None
-    sizes = [len(instance.seen) for instance in fleet.instances]
-    return sizes.index(min(sizes)), None
+        return fleet.pick([-m for m in matched]), None
+    return fleet.pick([len(instance.seen) for instance in fleet.instances]), None
+
+
+def schedule_ratio(fleet, request, prompt, now):
+    """Fig. 10's local setup (FAST'25 5.3.2, in our words): the highest prefix-match ratio, each
+    instance's own cached prefix over the prompt, load unseen."""
+    return fleet.pick([-fleet.reuse(i, prompt) for i in range(len(fleet.instances))]), None
 
 
 def schedule_local(fleet, request, prompt, now):
     """Mooncake's Algorithm 1 with each instance's own prefix: the least queue + prefill."""
-    return min(range(len(fleet.instances)), key=lambda i: fleet.queue(i, now) + fleet.prefill(
-        request.input_length, TRACE_ID_TOKENS * fleet.reuse(i, prompt))), None
+    return fleet.pick([fleet.queue(i, now) + fleet.prefill(request.input_length, TRACE_ID_TOKENS
+                       * fleet.reuse(i, prompt)) for i in range(len(fleet.instances))]), None
 
 
 def schedule_global(fleet, request, prompt, now):
-    """Algorithm 1 with the best prefix anywhere: an instance fetches it when it beats its own
-    by more than FETCH_THRESHOLD blocks; the least transfer + queue + prefill."""
+    """Algorithm 1 (its lines 5 and 20): an instance whose own prefix is p blocks fetches the
+    best anywhere, b, if b / p > fleet.fetch_ratio (p = 0: b / p is infinite, any b > 0 is
+    fetched), else computes past p; the least transfer + queue + prefill."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
-    best, estimates = max(cached), []
-    for i, own in enumerate(cached):
-        reuse = best if best - own > FETCH_THRESHOLD else own
-        estimates.append((fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
-            request.input_length, TRACE_ID_TOKENS * reuse), i, reuse))
-    _, i, reuse = min(estimates)
-    return i, reuse
+    reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
+    i = fleet.pick([fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
+        request.input_length, TRACE_ID_TOKENS * reuse) for i, (own, reuse) in enumerate(zip(
+            cached, reuses, strict=True))])
+    return i, reuses[i]
 
 
 FLEET_SCHEDULERS = {"random": schedule_random, "load": schedule_load,
-                    "cache_aware": schedule_cache_aware, "local": schedule_local,
-                    "global": schedule_global}
+                    "cache_aware": schedule_cache_aware, "ratio": schedule_ratio,
+                    "local": schedule_local, "global": schedule_global}
+FIG5_ROWS = ("random", "load", "cache_aware", "local", "global")  # ratio: Fig. 10's only
 
 
 @dataclass
@@ -2396,15 +2446,20 @@ class FleetRun:
 
 
 def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
-                 efficiency=FLEET_EFFICIENCIES[0], seed=0):
+                 efficiency=FLEET_EFFICIENCIES[0], seed=0, **rules):
     """Replay requests (load_trace's) on instances prefill instances of cache_blocks blocks,
     each sent where FLEET_SCHEDULERS[scheduler] says: it waits for its instance's queue
-    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there."""
-    fleet, ttfts, reused, blocks = Fleet(instances, cache_blocks, efficiency, seed), [], 0, 0
-    for number, request in enumerate(requests):
-        now, prompt = request.timestamp / 1000, trace_prompt(request, 1)  # a token an id
+    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there.
+    rules: Fleet's fetch_ratio, ties. ValueError up front for no request, or one longer than
+    cache_blocks (in full ids); one given twice is served twice."""
+    fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
+    prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
+    if len(prompts) == 0 or max(map(len, prompts)) > cache_blocks:
+        raise ValueError(f"no request, or one longer than {cache_blocks} blocks, the cache")
+    for number, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
+        now = request.timestamp / 1000
         i, reuse = FLEET_SCHEDULERS[scheduler](fleet, request, prompt, now)
-        own, instance = fleet.reuse(i, prompt), fleet.instances[i]
+        own, instance, fleet.last = fleet.reuse(i, prompt), fleet.instances[i], i
         reuse = own if reuse is None else reuse
         work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
         instance.free_at = max(now + fleet.fetch(reuse - own), instance.free_at) + work
@@ -2412,59 +2467,84 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
         instance.done.append(instance.free_at)
         instance.seen.update(request.hash_ids)
         ttfts.append(instance.free_at - now)
-        reused, blocks = reused + reuse, blocks + len(prompt)
+        reused += reuse
         Sequence(number, instance.pool, prompt).free()  # its blocks stay cached there
         if number % 1000 == 999:
             progress(f"fleet: {scheduler}, {instances} instances, request {number + 1:,}")
     progress("")
     ttfts.sort()
-    total = sum(instance.work for instance in fleet.instances)
+    total, blocks = sum(instance.work for instance in fleet.instances), sum(map(len, prompts))
     return FleetRun(sum(ttfts) / len(ttfts), ttfts[math.ceil(0.9 * len(ttfts)) - 1],
-                    reused / max(1, blocks), total / len(requests),
-                    max(instance.work for instance in fleet.instances) / total,
+                    reused / max(1, blocks), total / len(requests), max(
+                        instance.work for instance in fleet.instances) / max(total, 1e-300),
                     fleet.instances)
 
 
 def demo_fleet(path, limit):
-    """Each scheduler on FLEET_SIZES[0] instances (Fig. 5), then local vs global on [1] (10)."""
+    """Each Fig. 5 scheduler on FLEET_SIZES[0] instances, global at each fetch ratio, means with
+    ties to the lowest index, global at each efficiency; then Fig. 10 (demo_fig10)."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
-    many, few = FLEET_SIZES
+    many = FLEET_SIZES[0]
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
     print(f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
           f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s")
-    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, "
-          "conversation trace), quoted")
-    print("   scheduler     mean TTFT   p90 TTFT  hit rate  prefill s/req  busiest  Fig. 5 mean")
-    runs = {}
-    for scheduler in FLEET_SCHEDULERS:
-        run = runs[scheduler] = replay_fleet(requests, many, scheduler)
-        paper = MOONCAKE_TTFT.get(scheduler)
-        print(f"   {scheduler:<12} {run.mean_ttft:>9.2f} s {run.p90_ttft:>8.2f} s "
-              f"{run.hit_rate:>8.1%}  {run.prefill_seconds:>13.2f}  {run.busiest_share:>7.1%}"
-              + ("" if paper is None else f"  {paper:>8.2f} s"))
+    print(f"ties go by {TIES[0]}, to the first after the one chosen last; global fetches the "
+          "best prefix")
+    print(f"if over r x its own (r = {FETCH_RATIOS[0]:g} ours; with none, any)")
+    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, conversation "
+          f"trace), quoted;")
+    print(f"   ties moved: the mean TTFT with ties to the {TIES[1]}, less the table's")
+    print("   scheduler    mean TTFT  p90 TTFT  hit rate  prefill s/req  busiest  ties moved  "
+          "Fig. 5")
+    runs = {s: replay_fleet(requests, many, s) for s in FIG5_ROWS}
+    for label, run in [*runs.items(), *((f"global r={r:g}", replay_fleet(
+            requests, many, "global", fetch_ratio=r)) for r in FETCH_RATIOS[1:])]:
+        moved = replay_fleet(requests, many, label, ties=TIES[1]) if label in FIG5_ROWS[1:] else 0
+        paper = MOONCAKE_TTFT.get(label)
+        cells = (f"{moved.mean_ttft - run.mean_ttft:+.2f} s" if moved else "",
+                 "" if paper is None else f"{paper:.2f} s")
+        print(f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
+              f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{cells[0]:>12}{cells[1]:>9}"
+              .rstrip())
     best = min(runs, key=lambda s: runs[s].mean_ttft)
     print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
           f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
-    print("   mean TTFT, s, by prefill efficiency" + "".join(f"{s:>12}" for s in FLEET_SCHEDULERS))
-    for efficiency in FLEET_EFFICIENCIES:
-        means = [(runs[s] if efficiency == FLEET_EFFICIENCIES[0] else replay_fleet(
-            requests, many, s, efficiency=efficiency)).mean_ttft for s in FLEET_SCHEDULERS]
-        print(f"   {efficiency:>34.0%}" + "".join(f"{mean:>12.1f}" for mean in means))
-    local, pooled = (replay_fleet(requests, few, s) for s in ("local", "global"))
-    trace = next((t for t in MOONCAKE_GLOBAL if t.split("&")[0] in name), None)
-    print(f"2. local caches against one global pool, {few} instances; Mooncake's Fig. 10, "
-          "quoted")
-    print("   quantity           local   global   global / local   Fig. 10, this trace")
-    ratios = []
-    for row, (label, name, form) in enumerate((("hit rate", "hit_rate", ".1%"),
-                                               ("prefill s/req", "prefill_seconds", ".2f"))):
-        mine, pool = getattr(local, name), getattr(pooled, name)
-        paper = "-" if trace is None else f"{MOONCAKE_GLOBAL[trace][row]:.2f}x"
-        ratios.append(f"{pool / mine:.2f}x" if mine > 0 else "-")  # a few requests: no hit
-        print(f"   {label:<15} {mine:>8{form}} {pool:>8{form}} {ratios[-1]:>16} {paper:>19}")
-    print(f"   here one global pool reuses {ratios[0]} the blocks local caches do, and needs "
-          f"{ratios[1]}")
-    print("   their prefill time (our local caches are already routed to, by Algorithm 1)")
+    print("   global's mean TTFT at the other prefill efficiencies: " + "; ".join(
+        f"at {e:.0%}, {replay_fleet(requests, many, 'global', efficiency=e).mean_ttft:.2f} s"
+        for e in FLEET_EFFICIENCIES[1:]))
+    demo_fig10(requests, name)
+
+
+def demo_fig10(requests, name):
+    """Fig. 10 on FLEET_SIZES[1] instances: three local setups' hit rate and prefill beside their
+    global ones and Fig. 10's bars (if name is a Mooncake trace), then the one nearest them."""
+    few, trace = FLEET_SIZES[1], next((t for t in FIG10 if t.split("&")[0] in name), None)
+    everywhere, one, pooled = (replay_fleet(requests, n, s, cache_blocks=b) for n, s, b in (
+        (few, "global", THREE_M), (1, "load", THREE_M), (1, "load", few * THREE_M)))
+    pairs = {"the paper's: by prefix ratio": (replay_fleet(requests, few, "ratio"), everywhere),
+             "Algorithm 1: queue + prefill": (replay_fleet(requests, few, "local"), everywhere),
+             f"one {THREE_M:,}-block LRU": (one, pooled)}  # a local setup, and its global one
+    rows = {label: (mine.hit_rate, mine.prefill_seconds, pool.hit_rate, pool.prefill_seconds)
+            for label, (mine, pool) in pairs.items()} | ({} if trace is None else {
+                f"Fig. 10, {trace}": FIG10[trace]})
+    print(f"2. local caches (each node its own) against global (Algorithm 1; for the LRU, one "
+          f"{few * THREE_M:,}-block LRU),")
+    print(f"   {few} instances; Fig. 10's bars  hit rate  prefill s/req   global: hit rate  prefill"
+          "  hits  prefill")
+    for label, (hits, seconds, global_hits, global_seconds) in rows.items():
+        ratios = [f"{g / m:.2f}x" if hits > 0 else "-" for g, m in ((global_hits, hits),
+                                                                     (global_seconds, seconds))]
+        print(f"   {label:<30} {hits:>8.1%} {seconds:>14.2f} {global_hits:>18.1%} "
+              f"{global_seconds:>8.2f} {ratios[0]:>5} {ratios[1]:>8}")
+    if trace is not None:
+        local, _, pool, _ = FIG10[trace]
+        off = {k: max(abs(row[0] - local), abs(row[2] - pool)) for k, row in [*rows.items()][:3]}
+        near, (ratio, _) = min(off, key=off.get), pairs["the paper's: by prefix ratio"]
+        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, at most {off[near]:.1%} off (the "
+                        f"others {', '.join(f'{off[k]:.1%}' for k in off if k != near)}): one 3M-"
+                        f"token cache seeing every request hits {one.hit_rate:.1%}, the local bar "
+                        f"{local:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
+                        f" of the prefill, the local caches hit {ratio.hit_rate:.1%}"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -2474,22 +2554,31 @@ def demo_fleet(path, limit):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
+SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed); more may follow
+TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ())}  # each
+# f(path, limit, and its options by name); a new section is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
 
 
 def knob_ranges(b):
     """The knobs a learner may edit whose bad values fail far from their cause (a hang, a
-    ZeroDivisionError in a demo), each with its range at block size b: main refuses a value
-    outside it, or an empty tuple. A knob that reaches a contract class is refused there."""
+    ZeroDivisionError in a demo): name -> (value, low, high) at block size b; main refuses a value
+    outside low..high, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
-    counts = ("CHAT_TURNS", "CHAT_CONVERSATIONS", "EVICT_REQUESTS", "EVICT_SEEDS", "SWAP_TOKENS",
-              "SWEEP_SEEDS", "SWEEP_SYSTEM_LEN", "FLEET_SIZES", "BENCH_REPEATS")  # at least 1
-    return {**dict.fromkeys(counts, (1, math.inf)), "PREFILL_EFFICIENCIES": (0.01, 1),
-            "COPY_LATENCY_S": (0, 1), "FLEET_EFFICIENCIES": (0.01, 1), "ACTUAL_LEN": (1, MAX_LEN),
-            "EVICT_SIZES": (1, SWAP_TOKENS), "NUM_SAMPLES": (1, widest), "BEAM_WIDTHS": (1, widest),
-            "SWEEP_SIZES": (1, MAX_BLOCK_SIZE), "POOL_TOKENS": (MAX_LEN + b, math.inf),
-            "CACHE_POOLS": (b, math.inf), "MAX_SEQ_LEN": (2, math.inf),
-            "SERVING_LIFETIMES": (0.1, math.inf), "BENCH_POOLS": (max(100, b), math.inf)}
+    count = (1, math.inf)  # at least 1
+    return {"CHAT_TURNS": (CHAT_TURNS, *count), "CHAT_CONVERSATIONS": (CHAT_CONVERSATIONS, *count),
+            "EVICT_REQUESTS": (EVICT_REQUESTS, *count), "EVICT_SEEDS": (EVICT_SEEDS, *count),
+            "SWAP_TOKENS": (SWAP_TOKENS, *count), "SWEEP_SEEDS": (SWEEP_SEEDS, *count),
+            "SWEEP_SYSTEM_LEN": (SWEEP_SYSTEM_LEN, *count), "FLEET_SIZES": (FLEET_SIZES, *count),
+            "BENCH_REPEATS": (BENCH_REPEATS, *count), "COPY_LATENCY_S": (COPY_LATENCY_S, 0, 1),
+            "PREFILL_EFFICIENCIES": (PREFILL_EFFICIENCIES, 0.01, 1), "FLEET_EFFICIENCIES": (
+                FLEET_EFFICIENCIES, 0.01, 1), "ACTUAL_LEN": (ACTUAL_LEN, 1, MAX_LEN),
+            "EVICT_SIZES": (EVICT_SIZES, 1, SWAP_TOKENS), "NUM_SAMPLES": (NUM_SAMPLES, 1, widest),
+            "BEAM_WIDTHS": (BEAM_WIDTHS, 1, widest), "SWEEP_SIZES": (SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
+            "POOL_TOKENS": (POOL_TOKENS, MAX_LEN + b, math.inf), "CACHE_POOLS": (CACHE_POOLS, b,
+            math.inf), "MAX_SEQ_LEN": (MAX_SEQ_LEN, 2, math.inf), "SERVING_LIFETIMES": (
+                SERVING_LIFETIMES, 0.1, math.inf), "BENCH_POOLS": (BENCH_POOLS, max(100, b),
+                                                                    math.inf)}
 
 
 STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the banners' names; 1-5: the core
@@ -2515,58 +2604,88 @@ def starter(step, path):
     pathlib.Path(path).write_text("".join(lines), encoding="utf-8")
 
 
+def int_in(low, high=math.inf):
+    """An argparse type: an int in low..high."""
+    def parse(text):
+        value = int(text)  # a ValueError: argparse's "invalid int value"
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}" if high < math.inf
+                                             else f"{value} is not >= {low}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def section_name(text):  # an argparse type: choices= refuses nargs="*" given none (3.10, 3.11)
+    if text not in SECTIONS:
+        raise argparse.ArgumentTypeError(f"no section {text!r} (choose from {', '.join(SECTIONS)})")
+    return text
+
+
+def add_options(parser, flags, suppress=("--block-size", "--seed")):
+    """Add flags' options to parser; those in suppress default to argparse.SUPPRESS, so that the
+    default run's, given before a command, stays."""
+    options = {"--block-size": dict(type=int_in(1, MAX_BLOCK_SIZE), default=BLOCK_SIZE,
+                                    help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default 16)"),
+               "--seed": dict(type=int_in(0), help="seed every workload, >= 0 (default: ours)"),
+               "--requests": dict(type=int_in(1), dest="limit", help="the first N only"),
+               "--index": dict(choices=list(INDEXES), default="hash", help="(default hash)")}
+    for flag in flags:
+        parser.add_argument(flag, **{**options[flag], **({} if flag == "--index" else {
+            "metavar": "N"}), **({"default": argparse.SUPPRESS} if flag in suppress else {})})
+
+
+def command_line():
+    """The parser: with no command the default run, else one command, each with its --help."""
+    parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab; "
+                                     f"no command: the default run ({', '.join(CORE)}).")
+    add_options(parser, ("--block-size", "--seed"), suppress=())
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    def command(name, about, *flags):  # about: a string, or what the command runs (its doc)
+        about = about if type(about) is str else inspect.getdoc(about) or ""
+        first, *more = about.split("\n")
+        add_options(sub := commands.add_parser(name, help=first + " ..." * (len(more) > 0),
+                                               description=about), flags)
+        return sub
+    for name, demo in SECTIONS.items():
+        command(name, demo, "--block-size", "--seed").add_argument(
+            "more", nargs="*", type=section_name, metavar="SECTION", help="more, run in order")
+    command("all", f"the core and the extensions ({', '.join(EXTENSIONS)})", "--block-size",
+            "--seed")
+    for name, (demo, flags) in TRACED.items():
+        command(name, demo, "--requests", *flags).add_argument("path", metavar="PATH", help=(
+            "a Mooncake-format JSONL file (FAST25-release/traces/ of kvcache-ai/Mooncake)"))
+    steps = command("starter", starter)
+    steps.add_argument("step", choices=STEPS, help="the step to write")
+    steps.add_argument("file", metavar="FILE", help="where it goes")
+    return parser
+
+
 def main(argv=None):
-    every = {**CORE, **EXTENSIONS, "bench": demo_bench}  # and trace, fleet, starter
-    choices = f"{', '.join(every)}, all, trace PATH, fleet PATH, starter STEP FILE"
-    parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab.")
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line
-    parser.add_argument("sections", nargs="*", metavar="SECTION",
-                        help=f"any of: {choices} (default: {', '.join(CORE)})")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="N",
-                        help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default {BLOCK_SIZE})")
-    parser.add_argument("--seed", type=int, metavar="N", help="seed every workload (default: ours)")
-    parser.add_argument("--requests", type=int, metavar="N", help="trace, fleet: the first N only")
-    parser.add_argument("--index", choices=list(INDEXES), default="hash",
-                        help="trace: the prefix cache's index (default hash)")
+    parser, argv = command_line(), sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    names = args.sections or list(CORE)
-    section = name = names[0] if args.sections else "the default run"  # section: what failed
-    allowed = {"starter": [], "fleet": ["--requests"], "trace": ["--block-size", "--requests",
-               "--index"]}.get(name, ["--block-size", "--seed"])  # fleet: a block is an id
-    for flag in ("--block-size", "--seed", "--requests", "--index"):
-        dest = flag[2:].replace("-", "_")
-        if flag not in allowed and getattr(args, dest) != parser.get_default(dest):
-            parser.error(f"{name} takes no {flag}; its options: {', '.join(allowed) or 'none'}")
-    if name == "starter" and (len(names) != 3 or names[1] not in STEPS):
-        parser.error(f"starter STEP FILE: STEP is one of {', '.join(STEPS)}; FILE, where it goes")
-    if name in ("trace", "fleet") and len(names) != 2:
-        parser.error(f"{name} PATH: a Mooncake-format JSONL file (the FAST'25 traces are in "
-                     "FAST25-release/traces/ of kvcache-ai/Mooncake)")
-    names = [*CORE, *EXTENSIONS] if names == ["all"] else names
-    unknown = [section for section in names if section not in every]
-    if name not in ("starter", "trace", "fleet") and len(unknown) > 0:
-        parser.error(f"no section {unknown[0]!r} here; choose from {choices} (all stands alone)")
-    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
-        parser.error(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
-    if (args.seed or 0) < 0 or (args.requests is not None and args.requests < 1):
-        parser.error("--seed must be >= 0 and --requests >= 1")
+    if args.command in (*TRACED, "starter") and argv[0] != args.command:
+        parser.error(f"{args.command}'s options go after it")  # those before are the sections'
+    name = args.command or "the default run"  # name: what failed
     try:
-        if name == "starter":  # before the knob checks: a starter's own parts may be empty
-            return starter(*names[1:])
-        for knob, (low, high) in knob_ranges(args.block_size).items():
-            value = globals()[knob]
+        if args.command == "starter":  # before the knob checks: a starter's own parts may be empty
+            return starter(args.step, args.file)
+        for knob, (value, low, high) in knob_ranges(args.block_size).items():
             values = value if isinstance(value, tuple) else (value,)
             if len(values) == 0 or not all(low <= v <= high for v in values):
-                parser.error(f"knob {knob} must be in {low}..{high}, got {value!r}")
-        if name == "fleet":
-            demo_fleet(names[1], args.requests)
-        elif name == "trace":
-            demo_trace(names[1], args.requests, args.block_size, args.index)
+                parser.exit(2, f"{parser.prog}: error: knob {knob} must be in {low}..{high}, got "
+                               f"{value!r}\n")
+        if args.command in TRACED:
+            demo, flags = TRACED[args.command]
+            demo(path=args.path, limit=args.limit, **{f[2:].replace("-", "_"): getattr(
+                args, f[2:].replace("-", "_")) for f in flags})
         else:
-            for i, section in enumerate(names):
+            names = [*CORE, *EXTENSIONS] if name == "all" else [args.command, *args.more] if \
+                args.command is not None else list(CORE)
+            for i, name in enumerate(names):
                 print("" if i == 0 else "\n", end="")
-                every[section](args.block_size, args.seed)
-            if args.sections == []:
+                SECTIONS[name](args.block_size, args.seed)
+            if args.command is None:
                 print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
                       "trace PATH, fleet PATH")
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
@@ -2574,7 +2693,7 @@ def main(argv=None):
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.error(f"{section}: {type(error).__name__}: {error}")  # a knob a class refused
+        parser.exit(2, f"{parser.prog}: error: {name}: {type(error).__name__}: {error}\n")  # knob
 
 
 if __name__ == "__main__":

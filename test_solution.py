@@ -1113,6 +1113,53 @@ class TestPart7Preemption:
             self.requests(lab, [(3, 0)]))
         assert finished == {0: [0, 1, 2]}
 
+    def scheduler_state(self, scheduler):
+        gpu = scheduler.gpu
+        return (gpu.num_free, dict(gpu.ref_cnt), dict(scheduler.finished), scheduler.running,
+                scheduler.preempted, scheduler.stats)
+
+    @pytest.mark.parametrize("requests, exception", [
+        ([(0, [1], 2, 0), (0, [2], 2, 0)], ValueError),  # one id twice: one would be lost
+        ([(0, [1], 2, 0), (1, [2], -1, 0)], ValueError),  # max_tokens < 0
+        ([(0, [1], 2, 0), (1, [2], 1.5, 0)], TypeError),
+        ([(0, [1], 2, 0), (1, [-2], 1, 0)], ValueError),  # a bad token in a later prompt
+        ([(0, [1], 2, 0), (1, [2] * 20, 1, 0)], ValueError)])  # can never fit 8 blocks of 2
+    def test_the_scheduler_refuses_a_bad_request_before_serving_any(self, lab, requests,
+                                                                    exception):
+        scheduler = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute")
+        before = self.scheduler_state(scheduler)
+        with pytest.raises(exception):
+            scheduler.run([lab.Request(*fields) for fields in requests])
+        assert self.scheduler_state(scheduler) == before and scheduler.finished == {}
+
+    def test_the_scheduler_refuses_an_id_it_has_finished_and_serves_an_empty_list(self, lab):
+        scheduler = lab.Scheduler(lab.BlockAllocator(8, 2), None, "recompute")
+        assert scheduler.run([]) == {} and scheduler.stats.steps == 0
+        scheduler.run([lab.Request(0, [1], 1, 0)])
+        before = self.scheduler_state(scheduler)
+        with pytest.raises(ValueError):
+            scheduler.run([lab.Request(0, [2], 1, 0)])
+        assert self.scheduler_state(scheduler) == before
+
+    @pytest.mark.parametrize("policy", ["recompute", "swap"])
+    @pytest.mark.parametrize("index", ["hash", "radix"])
+    def test_a_prefix_caching_gpu_pool_ends_every_request_with_its_tokens(self, lab, policy,
+                                                                          index):
+        requests = lab.preemption_workload(5)
+        for request in requests[1:]:  # a shared 200-token prefix: the cache hits
+            request.prompt = requests[0].prompt[:200] + request.prompt
+        gpu = lab.PrefixCachingAllocator(lab.GPU_KV_TOKENS // 16, 16, index=index)
+        host = lab.BlockAllocator(lab.HOST_KV_TOKENS // 16, 16)
+        scheduler = lab.Scheduler(gpu, host, policy)
+        finished = scheduler.run(requests)
+        for r in requests:
+            assert finished[r.req_id] == r.prompt + [lab.next_token(r.req_id, len(r.prompt) + k)
+                                                     for k in range(r.max_tokens)]
+        lab.check_invariants(gpu, [])
+        assert gpu.num_used == host.num_used == 0 and gpu.hits > 0
+        assert scheduler.stats.preemptions > 0 and (policy == "recompute") == (
+            scheduler.stats.swapped_in_blocks == 0)
+
     def test_the_evict_section_prints_fig_19a_on_the_cost_model_and_each_sizes_own_runs(
             self, lab, capsys, monkeypatch):
         monkeypatch.setattr(lab.module, "EVICT_SEEDS", 1)  # seed 5's runs: the rows' cells
@@ -1504,15 +1551,81 @@ class TestPart12Fleet:
                 for seed in (1, 1, 2)]
         assert runs[0] == runs[1] != runs[2]
 
-    @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "local", "global"])
-    def test_every_instances_pool_keeps_its_invariants_after_a_replay(self, lab, scheduler):
+    @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "ratio", "local",
+                                           "global"])
+    @pytest.mark.parametrize("ties", ["round robin", "lowest index"])
+    def test_every_instances_pool_keeps_its_invariants_after_a_replay(self, lab, scheduler, ties):
         rng = random.Random(3)
         requests = [lab.TraceRequest(t * 300, 512 * 6, 1, list(range(s, s + 6)))
                     for t, s in enumerate(rng.randrange(4) * 3 for _ in range(40))]
-        run = lab.replay_fleet(requests, 3, scheduler, cache_blocks=8)
-        for instance in run.instances:
+        run = lab.replay_fleet(requests, 3, scheduler, cache_blocks=8, ties=ties)
+        fleet = lab.Fleet(3, 8, lab.FLEET_EFFICIENCIES[0], 0)
+        fleet.instances = run.instances
+        for i, instance in enumerate(run.instances):
             lab.check_invariants(instance.pool, [])
-        assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "local", "global"}
+            for prompt in ([], [0, 1, 2], list(range(3, 9))):  # reuse, against the index's match
+                assert fleet.reuse(i, prompt) == len(instance.pool.index.match(prompt)[0])
+        assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "ratio", "local",
+                                             "global"}
+
+    def test_pick_breaks_a_tie_by_round_robin_after_the_last_choice_or_by_lowest_index(self, lab):
+        fleet = lab.Fleet(4, 1, lab.FLEET_EFFICIENCIES[0], 0)
+        fleet.last = 1
+        assert fleet.pick([0, 5, 3, 0]) == 3 and fleet.pick([5, 5, 0, 5]) == 2
+        fleet.ties = "lowest index"
+        assert fleet.pick([0, 5, 3, 0]) == 0
+
+    @pytest.mark.parametrize("ties, busiest", [("round robin", 1 / 3), ("lowest index", 1.0)])
+    def test_idle_instances_share_requests_by_the_tie_rule(self, lab, ties, busiest):
+        requests = [timed(lab, [k], at=100 * k)[0] for k in range(3)]  # each done before the next
+        run = lab.replay_fleet(requests, 3, "load", ties=ties)
+        assert run.busiest_share == pytest.approx(busiest)
+
+    @pytest.mark.parametrize("ratio, own, reuse", [(2.0, 4, 10), (4.0, 4, 4), (100.0, 0, 10)])
+    def test_global_fetches_when_the_best_prefix_over_its_own_exceeds_the_ratio(self, lab, ratio,
+                                                                                own, reuse):
+        fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0, fetch_ratio=ratio)
+        lab.Sequence(0, fleet.instances[0].pool, list(range(10))).free()
+        lab.Sequence(1, fleet.instances[1].pool, list(range(own))).free()
+        fleet.instances[0].free_at = 1000.0  # the holder is busy: instance 1 gets the request
+        request = timed(lab, range(10))[0]
+        assert lab.schedule_global(fleet, request, lab.trace_prompt(request, 1), 0.0) == (1, reuse)
+
+    def test_ratio_sends_a_request_to_its_longest_cached_prefix_however_busy(self, lab):
+        fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0)
+        lab.Sequence(0, fleet.instances[0].pool, [1, 2]).free()
+        fleet.instances[0].free_at = 1000.0
+        assert lab.schedule_ratio(fleet, timed(lab, [1, 2, 3])[0], [1, 2, 3], 0.0) == (0, None)
+
+    def test_a_replay_refuses_no_request_or_one_longer_than_the_cache_and_serves_a_repeat(
+            self, lab):
+        for requests in ([], timed(lab, range(11))):
+            with pytest.raises(ValueError):
+                lab.replay_fleet(requests, 2, "global", cache_blocks=10)
+        assert lab.replay_fleet(timed(lab, [1, 2]) * 2, 2, "global").hit_rate == 0.5
+
+    def test_fig_10_prints_the_bars_of_a_mooncake_trace_and_the_setup_nearest_them(
+            self, lab, tmp_path, capsys):
+        rng, path = random.Random(4), tmp_path / "synthetic_trace.jsonl"
+        path.write_text("".join(json.dumps({"timestamp": 50 * i, "input_length": 512 * 4,
+                                            "output_length": 8, "hash_ids": [s, s + 1, s + 2,
+                                                                              100 + i]}) + "\n"
+                                for i, s in enumerate(rng.randrange(6) * 3 for _ in range(60))))
+        requests = lab.load_trace(str(path))
+        lab.demo_fig10(requests, path.name)
+        out = capsys.readouterr().out
+        local, _, pool, _ = lab.FIG10["synthetic"]
+        runs = {"the paper's: by prefix ratio": ("ratio", 10, "global", 10, 1),
+                "Algorithm 1: queue + prefill": ("local", 10, "global", 10, 1),
+                f"one {lab.THREE_M:,}-block LRU": ("load", 1, "load", 1, 10)}  # pooled: 10 x 3M
+        off = {}
+        for label, (mine, n, theirs, m, times) in runs.items():
+            hits = lab.replay_fleet(requests, n, mine).hit_rate
+            pooled = lab.replay_fleet(requests, m, theirs, cache_blocks=times * lab.THREE_M)
+            off[label] = max(abs(hits - local), abs(pooled.hit_rate - pool))
+            assert re.search(rf"^   {re.escape(label)} +{hits:.1%} ", out, re.MULTILINE)
+        assert f"nearest Fig. 10's hit rates: {min(off, key=off.get)}," in out
+        assert max(map(len, out.splitlines())) <= 100
 
     def test_a_trace_with_no_local_hit_prints_no_global_over_local_ratio(self, lab, tmp_path,
                                                                           capsys):
@@ -1521,7 +1634,8 @@ class TestPart12Fleet:
                                             "output_length": 8, "hash_ids": [2 * i, 2 * i + 1]})
                                 + "\n" for i in range(3)))
         lab.demo_fleet(str(path), None)
-        assert re.search(r"^   hit rate +0\.0% +0\.0% +- ", capsys.readouterr().out, re.MULTILINE)
+        assert re.search(r"^   Algorithm 1: queue \+ prefill +0\.0% .* - +-$", capsys.readouterr().out,
+                         re.MULTILINE)
 
     @needs_traces
     def test_the_first_1000_conversation_requests_replay(self, lab):
@@ -1537,18 +1651,57 @@ class TestPart12Fleet:
 class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
-                                      ["--seed", "-1"], ["nope"], ["trace"],
+                                      ["--seed", "-1"], ["nope"], ["trace"], ["cache", "nope"],
                                       ["starter", "13", "f.py"], ["starter", "6", "f.py"],
-                                      ["--index", "tree"],
+                                      ["--index", "tree"], ["trace", "t.jsonl", "--index", "x"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
                                       ["trace", "t.jsonl", "--seed", "1"],
-                                      ["starter", "1", "f.py", "--block-size", "8"],
-                                      ["starter", "1", "/no/such/folder/f.py"],
-                                      ["starter", "1", "."]])
-    def test_bad_options_exit_2_with_one_line(self, lab, capsys, argv):
+                                      ["--seed", "1", "trace", "t.jsonl"],
+                                      ["fleet", "t.jsonl", "--block-size", "8"],
+                                      ["fleet", "t.jsonl", "--requests", "0"],
+                                      ["starter", "1", "f.py", "--block-size", "8"]])
+    def test_a_bad_command_line_exits_2_with_argparses_usage_and_error(self, lab, capsys, argv):
+        with pytest.raises(SystemExit) as exit_:
+            lab.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and err[0].startswith("usage: solution.py")
+        assert err[-1].startswith("solution.py") and len(err) >= 2
+
+    @pytest.mark.parametrize("argv", [["starter", "1", "/no/such/folder/f.py"],
+                                      ["starter", "1", "."], ["fleet", "/no/such/t.jsonl"]])
+    def test_a_file_that_cannot_be_read_or_written_exits_2_with_one_line(self, lab, capsys, argv):
         with pytest.raises(SystemExit) as exit_:
             lab.main(argv)
         assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+    @pytest.mark.parametrize("argv", [[], ["cache"], ["all"], ["trace"], ["fleet"], ["starter"]])
+    def test_help_lists_the_commands_and_each_commands_options(self, lab, capsys, argv):
+        with pytest.raises(SystemExit) as exit_:
+            lab.main([*argv, "--help"])
+        out = capsys.readouterr().out
+        wanted = {(): [*lab.SECTIONS, "all", *lab.TRACED, "starter"], ("cache",): ["--seed"],
+                  ("all",): ["--block-size"], ("trace",): ["--requests", "--index", "PATH"],
+                  ("fleet",): ["--requests"], ("starter",): ["FILE"]}[tuple(argv)]
+        assert exit_.value.code == 0 and all(word in out for word in wanted)
+
+    def test_options_before_a_section_or_after_it_are_the_same(self, lab, capsys):
+        outs = []
+        for argv in (["--block-size", "4", "--seed", "2", "memory"],
+                     ["memory", "--block-size", "4", "--seed", "2"]):
+            lab.main(argv)
+            outs.append(capsys.readouterr().out)
+        lab.main(["memory"])
+        assert outs[0] == outs[1] != capsys.readouterr().out
+
+    def test_a_new_section_is_one_entry_in_a_table(self, lab, capsys, monkeypatch):
+        calls = []
+        monkeypatch.setitem(lab.SECTIONS, "hello", lambda block_size, seed: calls.append(
+            (block_size, seed)))
+        monkeypatch.setitem(lab.TRACED, "hybrid", (lambda path, limit, block_size, seed: calls.append(
+            (path, limit, block_size, seed)), ("--block-size", "--seed")))
+        lab.main(["hello", "--seed", "3"])
+        lab.main(["hybrid", "t.jsonl", "--requests", "5", "--seed", "2"])
+        assert calls == [(16, 3), ("t.jsonl", 5, 16, 2)]
 
     @pytest.mark.parametrize("knob, value", [("ACTUAL_LEN", 0), ("POOL_TOKENS", 100),
                                              ("CHAT_TURNS", 0), ("EVICT_SIZES", (4, 512)),
