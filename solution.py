@@ -2340,11 +2340,11 @@ class Fleet:
     instance chosen last; and what a scheduler asks."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
-                 ties=TIES[0]):
-        self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1))
+                 ties=TIES[0], index="hash"):
+        self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1, index=index))
                           for _ in range(check_int(instances, "instances"))]
         self.efficiency, self.rng, self.fetch_ratio = efficiency, random.Random(seed), fetch_ratio
-        self.ties, self.last, self.prompt = ties, -1, None
+        self.ties, self.last = ties, -1
 
     def pick(self, keys):
         """The instance of the least key; among equals, by "round robin" the first after last,
@@ -2364,13 +2364,8 @@ class Fleet:
         return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
 
     def reuse(self, i, prompt):
-        """The leading blocks of prompt instance i holds, as its index.match finds them; NOTE: by
-        prompt's hash chain (hash_block_tokens) in its block_of, the chain hashed once a prompt."""
-        if prompt is not self.prompt:  # NONE_HASH: hash_block_tokens' parent of a first block
-            self.prompt, self.chain = prompt, [*itertools.accumulate(
-                ([token] for token in prompt), hash_block_tokens, initial=NONE_HASH)][1:]
-        block_of = self.instances[i].pool.index.block_of
-        return next((k for k, h in enumerate(self.chain) if h not in block_of), len(prompt))
+        """The leading blocks of prompt instance i holds, as its index matches them."""
+        return len(self.instances[i].pool.index.match(prompt)[0])
 
     def load(self, i, now):  # requests queued or in prefill: what a router counts
         done = self.instances[i].done
@@ -2450,7 +2445,7 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
     """Replay requests (load_trace's) on instances prefill instances of cache_blocks blocks,
     each sent where FLEET_SCHEDULERS[scheduler] says: it waits for its instance's queue
     (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there.
-    rules: Fleet's fetch_ratio, ties. ValueError up front for no request, or one longer than
+    rules: Fleet's fetch_ratio, ties, index. ValueError up front for no request, or one longer than
     cache_blocks (in full ids); one given twice is served twice."""
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id

@@ -1568,6 +1568,15 @@ class TestPart12Fleet:
         assert set(lab.FLEET_SCHEDULERS) == {"random", "load", "cache_aware", "ratio", "local",
                                              "global"}
 
+    @pytest.mark.parametrize("scheduler", ["ratio", "local", "global"])
+    def test_a_fleet_on_the_radix_index_reuses_what_the_hash_chain_does(self, lab, scheduler):
+        rng = random.Random(5)  # caches that never evict: the two indexes match alike
+        requests = [lab.TraceRequest(t * 300, 512 * 6, 1, list(range(s, s + 6)))
+                    for t, s in enumerate(rng.randrange(4) * 3 for _ in range(40))]
+        runs = [lab.replay_fleet(requests, 3, scheduler, cache_blocks=400, index=index)
+                for index in lab.INDEXES]
+        assert runs[0].hit_rate == runs[1].hit_rate > 0 and runs[0].mean_ttft == runs[1].mean_ttft
+
     def test_pick_breaks_a_tie_by_round_robin_after_the_last_choice_or_by_lowest_index(self, lab):
         fleet = lab.Fleet(4, 1, lab.FLEET_EFFICIENCIES[0], 0)
         fleet.last = 1
