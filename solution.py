@@ -463,16 +463,34 @@ def audit(pool):
 
 def check_invariants(allocator, sequences):
     """Raise AssertionError naming the first broken invariant: "counts" or "free list" (audit),
-    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones."""
+    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones,
+    a Sequence or a sequence with block_tables and windows (Part 13: a table per group, None
+    where a block left the window; each group reads back the tokens its window keeps)."""
     audit(allocator)
-    references = Counter({block: 0 for block in allocator.ref_cnt})  # a leak stays at 0
+    references, size = Counter({block: 0 for block in allocator.ref_cnt}), allocator.block_size
     for seq in (seq for seq in sequences if not seq.is_freed):
-        held, need = len(seq.block_table), cdiv(len(seq.tokens), allocator.block_size)
-        expect(held == need, f"block count: sequence {seq.seq_id!r} holds {plural(held, 'block')} "
-               f"for {plural(len(seq), 'token')}, needs {need}")
-        references.update(seq.block_table)
-        expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
-               "tokens it was not given")
+        tables = [seq.block_table] if isinstance(seq, Sequence) else seq.block_tables
+        for table in tables:
+            held, need = len(table), cdiv(len(seq.tokens), size)
+            expect(held == need, f"block count: sequence {seq.seq_id!r} holds "
+                   f"{plural(held, 'block')} for {plural(len(seq.tokens), 'token')}, needs {need}")
+            references.update(block for block in table if block is not None)
+        if isinstance(seq, Sequence):
+            expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
+                   "tokens it was not given")
+            continue
+        # the window rule, restated: before an append, the cache's tokens were computed
+        n, m = len(seq.tokens), seq.num_prompt_tokens
+        n = n - 1 if n > m else seq.num_cached_tokens
+        for window, table in zip(seq.windows, tables):
+            behind = 0 if window is None else max(0, n - window + 1) // size  # blocks
+            expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
+                   f"window: sequence {seq.seq_id!r} holds a block behind its window of "
+                   f"{window}, or lost one inside it")
+            got = [None if table[i // size] is None else allocator.kv_cache.slots[
+                table[i // size] * size + i % size] for i in range(len(seq.tokens))]
+            expect(got == [None if i // size < behind else t for i, t in enumerate(seq.tokens)],
+                   f"read-back: sequence {seq.seq_id!r} reads back tokens it was not given")
     for block, refs in references.items():  # every block in use or in a table
         expect(allocator.refcount(block) == refs, f"ref-count != block-table references: "
                f"block {block}: ref-count {allocator.refcount(block)}, references {refs}")
@@ -2540,6 +2558,235 @@ def demo_fig10(requests, name):
                         f"token cache seeing every request hits {one.hit_rate:.1%}, the local bar "
                         f"{local:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
                         f" of the prefill, the local caches hit {ratio.hit_rate:.1%}"))
+
+
+# ---------------------------------------------------------------------------------------
+# Part 13. Extension: hybrid models, sliding-window and full-attention groups on one pool
+# ---------------------------------------------------------------------------------------
+# gpt-oss alternates full attention with 128-token sliding windows; a window layer reads only the
+# last W tokens' KV. vLLM v1 cuts the layers into KV cache groups of equal size, one attention type
+# each, on one pool (v1/core/kv_cache_coordinator.py, single_type_kv_cache_manager.py): a request
+# holds a table per group, a window group frees the blocks behind its window, a hit serves all.
+
+
+def skipped_tokens(window, n):
+    """vLLM's get_num_skipped_tokens: max(0, n - W + 1), 0 for None (full). W 4, n 7 -> 4."""
+    return 0 if window is None else max(0, n - window + 1)
+
+
+def group_key(block_hash, group):  # vLLM's make_block_hash_with_group_id: one entry per group
+    return block_hash + group.to_bytes(4, "big")
+
+
+class HybridSequence:
+    """A request of a hybrid model: a block table per KV cache group, on one pool; windows[g] is
+    None (full attention) or W >= 1. Invariant: a table has cdiv(len(tokens), block_size) entries,
+    entry i None (vLLM's null block) exactly when i < skipped_tokens(W, n) // block_size, n =
+    num_cached_tokens before any append, len(tokens) - 1 after (vLLM's remove_skipped_blocks).
+    Block size 16, windows [None, 32], 111 tokens: tables of 7; append frees window blocks 4..0.
+    State: seq_id, allocator, windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens,
+    hashes (chained, per full block), is_freed. Refusals, changing nothing: Sequence's, ValueError
+    (windows not a non-empty list of None or ints >= 1, a caching pool off the hash index),
+    OutOfBlocksError. NOTE: no fork or copy-on-write: vLLM v1 shares full blocks only."""
+
+    def __init__(self, seq_id, pool, tokens, windows):
+        if not isinstance(pool, BlockAllocator):
+            raise TypeError(f"pool must be a BlockAllocator, got {pool!r}")
+        windows = [w if w is None else check_int(w, "a window") for w in windows]
+        caching = isinstance(pool, PrefixCachingAllocator)
+        if len(windows) == 0 or caching and not isinstance(pool.index, HashIndex):
+            raise ValueError("windows: one per KV cache group; a caching pool: the hash index "
+                             "(NOTE: the radix tree keeps no groups; SGLang's SWARadixCache does)")
+        token_ids, size = check_tokens(tokens), pool.block_size
+        self.seq_id, self.allocator, self.windows, self.is_freed = seq_id, pool, windows, False
+        self.tokens, self.hashes, self.num_prompt_tokens = token_ids, [], len(token_ids)
+        for k in range(len(token_ids) // size):  # chained, as vLLM's request.block_hashes
+            self.hashes.append(hash_block_tokens(self.hashes[-1] if k > 0 else None, token_ids[
+                k * size:(k + 1) * size]))
+        hit = self._find_hit() if caching else 0
+        self.num_cached_tokens, need = hit * size, cdiv(len(token_ids), size) - hit
+        self.block_tables = [[None] * (skipped_tokens(w, hit * size) // size) for w in windows]
+        for g, table in enumerate(self.block_tables):  # the hit's blocks inside the window
+            table += [next(iter(pool.index.block_of[group_key(self.hashes[k], g)]))
+                      for k in range(len(table), hit)]  # the oldest copy, as vLLM offers
+        hits = [block for table in self.block_tables for block in table if block is not None]
+        revived = [block for block in hits if block not in pool.ref_cnt]
+        pool.ensure_free(need * len(windows) + len(revived))  # check, then act
+        if caching:  # the counters share_cached_prefix keeps
+            pool.stats.hits, pool.stats.prompts = pool.stats.hits + hit, pool.stats.prompts + 1
+            pool.stats.misses += len(self.hashes) - hit
+            pool.index.lock(pool.share_blocks(hits), revived, pool.stats.prompts)
+        for table in self.block_tables:
+            table += pool.allocate_many(need)
+            for k in range(hit, len(table)):
+                pool.kv_cache.write(table[k], 0, token_ids[k * size:(k + 1) * size])
+        for k in range(hit, len(self.hashes)):
+            self._cache(k)
+
+    def _find_hit(self):
+        """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens (vLLM's
+        HybridKVCacheCoordinator): a window W needs cdiv(W - 1, block_size) blocks before the end,
+        found from the right; each group may shorten the hit until none does. NOTE: full attention
+        needs all (the hit vLLM finds from the left). NOTE: vLLM caches no block of a window 1."""
+        index, size, hit = self.allocator.index, self.allocator.block_size, 0
+        end = max(0, len(self.tokens) - 1) // size  # NOTE: vLLM recomputes the last token
+        while hit != end:  # NOTE: vLLM looks up groups of one window together: the same hit
+            hit = end
+            for g, window in enumerate(self.windows):
+                need, run = end if window is None else cdiv(window - 1, size), 0
+                for k in range(end - 1, -1, -1):
+                    cached = group_key(self.hashes[k], g) in index.block_of
+                    run = run + 1 if cached else 0
+                    if cached and run >= need:
+                        end = k + run
+                        break
+                else:
+                    end = run  # no run long enough: the cached run from block 0
+        return hit
+
+    def _cache(self, k):
+        """Cache full block k of each group (NOTE: not insert: a window frees blocks before)."""
+        if isinstance(self.allocator, PrefixCachingAllocator):
+            index, size = self.allocator.index, self.allocator.block_size
+            for g, table in enumerate(self.block_tables):
+                index.block_hash[table[k]] = key = group_key(self.hashes[k], g)
+                index.block_of.setdefault(key, {})[table[k]] = None
+                index.policy.insert(table[k], self.tokens[k * size:(k + 1) * size])
+
+    def append(self, token):
+        """A decode step (vLLM's allocate_slots): window groups free the blocks now behind them,
+        last first, into the one eviction order; each group takes a block if its last is full.
+        NOTE: the check counts the room that makes; refused, vLLM has freed them, the lab not."""
+        if self.is_freed or type(token) is not int or token < 0:
+            self._check_live()
+            check_tokens([token])
+        pool, n, tables = self.allocator, len(self.tokens), self.block_tables
+        size, offset = pool.block_size, n % pool.block_size
+        behind = [list(itertools.takewhile(lambda j: t[j] is not None, range(
+            skipped_tokens(w, n) // size - 1, -1, -1))) for w, t in zip(self.windows, tables)]
+        room = sum(pool.ref_cnt[t[j]] == 1 for js, t in zip(behind, tables) for j in js)
+        pool.ensure_free((len(tables) if offset == 0 else 0) - room)  # check, then act
+        for js, table in zip(behind, tables):
+            pool.free_blocks([table[j] for j in js])
+            for j in js:
+                table[j] = None
+        for table in tables:
+            table += [pool.allocate()] if offset == 0 else []
+            pool.kv_cache.slots[table[-1] * size + offset] = token
+        self.tokens.append(token)
+        if offset == size - 1:
+            self.hashes.append(hash_block_tokens(self.hashes[-1] if n >= size else None,
+                                                 self.tokens[-size:]))
+            self._cache(n // size)
+
+    def free(self):
+        """Release every block, group by group, each table tail first (vLLM's coordinator.free)."""
+        self._check_live()
+        for table in self.block_tables:
+            self.allocator.free_blocks([block for block in reversed(table) if block is not None])
+            table.clear()
+        self.is_freed = True
+
+    _check_live = Sequence._check_live  # ValueError once freed
+
+
+# The hybrid section ---------------------------------------------------------------------
+
+VLLM_HYBRID = ([None, 32, 32], 16, 111)  # 10 full + 20 window layers in 3 groups, block size 16,
+# a 112-token request (a prompt, a decode step): "11 blocks"; 15 tokens, cached, hits possible:
+VLLM_SLIDING = (4, 15, [2, 3, 4, 5, 11, 12, 13], [5, 6, 14])  # window 4, block size 1: 14 taken
+HYBRID_MODELS = {"gpt-oss-120b": (36, 18, 128, 8, 64), "Gemma 3 27B": (62, 10, 1024, 16, 128)}
+# (layers, full ones, window, KV heads, head dim), bf16. gpt-oss-120b: openai/gpt-oss gpt_oss/
+# torch/model.py ModelConfig (num_hidden_layers 36, num_key_value_heads 8, head_dim 64, window 128
+# on even layers) = huggingface.co/openai/gpt-oss-120b config.json. Gemma 3 27B: huggingface.co/
+# google/gemma-3-27b-it config.json text_config (num_hidden_layers 62, num_key_value_heads 16,
+# head_dim 128, sliding_window 1024, sliding_window_pattern 6): 52 + 10, as vLLM's doc counts
+HYBRID_POOL_GIB = 64  # GiB of KV for the real-model table: the lab's choice
+CONTEXTS = (2048, 8192, 32768, 131072)  # tokens per request in the real-model table
+
+
+def print_cache_table(stream, sizes, window, block_size):
+    """Part 6's serve with hybrid sequences at each pool size: full + window, then full + full."""
+    print("   pool blocks  groups        hit rate   evicted  held per step g0    g1  cached g0"
+          "   g1")
+    rows, steps = {}, sum(len(answer) for _, answer in stream)
+    for size, windows in itertools.product(sizes, ([None, window], [None, None])):
+        progress(f"hybrid: windows {windows}, {size:,} blocks")
+        pool, held = PrefixCachingAllocator(size, block_size), [0, 0]
+        for i, (prompt, answer) in enumerate(stream):
+            seq = HybridSequence(i, pool, prompt, windows)
+            for token in answer:
+                seq.append(token)
+                held = [h + len(t) - t.count(None) for h, t in zip(held, seq.block_tables)]
+            seq.free()
+        progress("")
+        cached = Counter(int.from_bytes(key[-4:], "big") for key in pool.index.block_hash.values())
+        rows[size, windows[1]] = pool.hit_rate, cached
+        print(f"   {size:>11,}  full + {windows[1] or 'full':<6} {pool.hit_rate:>8.1%} "
+              f"{pool.stats.evicted:>9,} {held[0] / steps:>16.1f} {held[1] / steps:>5.1f} "
+              f"{cached[0]:>9,} {cached[1]:>4,}")
+    size = max(sizes, key=lambda s: abs(rows[s, window][0] - rows[s, None][0]))
+    (mixed, cached), dense = rows[size, window], rows[size, None][0]
+    print(f"   at {size:,} blocks a window moves the hit rate {mixed - dense:+.1%}: its blocks "
+          f"go first ({cached[1]:,} cached to {cached[0]:,})")
+
+
+def demo_hybrid(block_size, seed, path=None, limit=None):
+    """vLLM's two worked examples, the real-model table, the caching tables (the trace: path)."""
+    print("== hybrid: sliding-window and full-attention KV cache groups on one pool (vLLM v1) ==")
+    (windows, size, prompt), pool = VLLM_HYBRID, BlockAllocator(64, VLLM_HYBRID[1])
+    seq = HybridSequence("r", pool, range(prompt), windows)
+    before, held = [list(table) for table in seq.block_tables], pool.num_used
+    seq.append(prompt)
+    print(f"1. vLLM's example (docs/design/hybrid_kv_cache_manager.md): windows {windows}, block "
+          f"size {size};\n   a {prompt}-token prompt holds {held} blocks, a decode step then "
+          f"{pool.num_used} (the doc: 11); /: freed (null block)")
+    for g, (window, table) in enumerate(zip(windows, seq.block_tables)):
+        print(f"   group {g}, window {window or 'full'}:".ljust(23) + " ".join(f"{b:>2}" for b in
+              before[g]) + "  -> " + " ".join(f"{'/' if b is None else b:>2}" for b in table))
+    window, n, doc_cached, doc_hits = VLLM_SLIDING
+    tokens, pool = list(range(100, 100 + n)), PrefixCachingAllocator(16, 1)
+    first = HybridSequence("a", pool, tokens[:-1], [window])
+    first.append(0)  # its window frees tokens 0..10, the least recently used
+    HybridSequence("b", pool, tokens[:6], [window]).free()  # hits 2..4, caches 5 again
+    HybridSequence("c", pool, range(8), [window]).free()  # evicts 8: 10..5, 1, 0
+    first.free()
+    keys = [group_key(h, 0) for h in HybridSequence(0, BlockAllocator(n, 1), tokens, [None]).hashes]
+    cached = [k for k in range(n) if keys[k] in pool.index.block_of]
+    hits = [h for h in range(1, n) if set(range(max(0, h - window + 1), h)) <= set(cached)]
+    taken = HybridSequence("q", pool, tokens, [window]).num_cached_tokens
+    print(f"2. vLLM's window-only example: window {window}, block size 1, {n} tokens;\n   cached "
+          f"{cached}, hits possible {hits} (the doc's: {cached == doc_cached}, "
+          f"{hits == doc_hits}); taken: {taken}")
+    print(f"3. requests that fit in {HYBRID_POOL_GIB} GiB of KV, each a prompt and a decode step "
+          f"(block size {block_size})\n   model          groups (full, window)  context   as is  "
+          "all full    gain  bound")
+    for name, (layers, full, window, heads, dim) in HYBRID_MODELS.items():
+        per_group = min(full, layers - full)  # vLLM's groups: of the smaller layer count
+        windows = [None] * cdiv(full, per_group) + [window] * cdiv(layers - full, per_group)
+        for context in CONTEXTS:  # a layer's block: block_size tokens' K and V, 2 bytes each
+            pool, layer_block = BlockAllocator(len(windows) * context, block_size), \
+                block_size * 2 * heads * dim * 2
+            HybridSequence(0, pool, [0] * (context - 1), windows).append(0)
+            fit = [HYBRID_POOL_GIB * 2**30 // (blocks * layer_block) for blocks in (
+                pool.num_used * per_group, cdiv(context, block_size) * layers)]  # all full
+            print(f"   {name:<14} {windows.count(None)} + {len(windows) - windows.count(None)} x"
+                  f" {window:<13} {context // 1024:>6}K {fit[0]:>7,} {fit[1]:>9,} "
+                  f"{fit[0] / max(1, fit[1]):>6.1f}x {layers / full:>5.1f}x")
+    print("   the gain nears layers / full-attention layers (" + ", ".join(f"{layers} / {full}"
+          for layers, full, *_ in HYBRID_MODELS.values()) + ") as contexts outgrow the windows")
+    stream, window = chat_stream(4 if seed is None else seed), HYBRID_MODELS["gpt-oss-120b"][2]
+    print(f"4. prefix caching: Part 6's {len(stream)} chat requests, gpt-oss's groups (full, "
+          f"window {window}) against two full")
+    print_cache_table(stream, [t // block_size for t in CACHE_POOLS[:3]], window, block_size)
+    if path is not None:  # a block per hash id, as Part 11; decode tokens above every prompt's
+        requests, fresh = load_trace(path, limit), itertools.count(10 ** 9)
+        stream = [(trace_prompt(r, block_size), [next(fresh) for _ in range(trace_decode_len(
+            r, block_size))]) for r in requests]
+        window = max(1, window * block_size // TRACE_ID_TOKENS)  # 128 at the trace's scale
+        print(f"5. the same on {len(requests):,} requests of {path.rsplit('/', 1)[-1]}, a block "
+              f"per hash id: the window {window} tokens")
+        print_cache_table(stream, [THREE_M // 2, THREE_M * 2, THREE_M * 8], window, block_size)
 
 
 # ---------------------------------------------------------------------------------------

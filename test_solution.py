@@ -8,6 +8,7 @@ block tables do, each sequence must read back exactly that list.
 """
 
 import ast
+import collections
 import copy
 import gc
 import hashlib
@@ -1651,6 +1652,186 @@ class TestPart12Fleet:
         requests = lab.load_trace(str(CONVERSATION), 1000)
         run = lab.replay_fleet(requests, 16, "global")
         assert 0 < run.hit_rate < 1 and 0 < run.mean_ttft <= run.p90_ttft
+
+
+class TestPart13Hybrid:
+
+    def test_allocation_example_block_by_block(self, lab):  # the doc's 112-token request: 11 blocks
+        windows, size, prompt = lab.VLLM_HYBRID
+        pool = lab.BlockAllocator(64, size)
+        seq = lab.HybridSequence("r", pool, range(prompt), windows)
+        assert seq.block_tables == [list(range(0, 7)), list(range(7, 14)), list(range(14, 21))]
+        assert pool.num_used == 21  # vLLM holds all 7 prompt blocks per group until the decode
+        lab.check_invariants(pool, [seq])
+        seq.append(prompt)
+        assert seq.block_tables == [list(range(7)), [None] * 5 + [12, 13], [None] * 5 + [19, 20]]
+        assert pool.num_used == 11 == 7 + 2 + 2
+        lab.check_invariants(pool, [seq])
+        seq.free()
+        assert pool.num_used == 0
+
+    def test_window_blocks_freed_last_first_at_the_decode_step(self, lab):
+        pool = lab.BlockAllocator(64, 16)
+        seq = lab.HybridSequence("r", pool, range(111), [None, 32])
+        given_back = len(pool.free_block_ids)
+        seq.append(0)
+        assert pool.free_block_ids[given_back:] == [11, 10, 9, 8, 7]  # blocks 4..0 of group 1
+
+    def test_sliding_window_example(self, lab):
+        window, n, cached, possible = lab.VLLM_SLIDING
+        tokens, pool = list(range(100, 100 + n)), lab.PrefixCachingAllocator(16, 1)
+        first = lab.HybridSequence("a", pool, tokens[:-1], [window])
+        first.append(0)
+        lab.HybridSequence("b", pool, tokens[:6], [window]).free()
+        lab.HybridSequence("c", pool, range(8), [window]).free()
+        first.free()
+        keys = [lab.group_key(h, 0) for h in lab.HybridSequence(0, lab.BlockAllocator(n, 1), tokens,
+                                                               [None]).hashes]
+        assert [k for k in range(n) if keys[k] in pool.index.block_of] == cached
+        seq = lab.HybridSequence("q", pool, tokens, [window])
+        assert seq.num_cached_tokens == 14 == max(possible)
+        offered = [next(iter(pool.index.block_of[keys[k]])) for k in (11, 12, 13)]
+        assert seq.block_tables[0][:14] == [None] * 11 + offered  # only the window's 3 blocks
+        lab.check_invariants(pool, [seq])
+
+
+    def test_full_attention_from_the_left_window_from_the_right(self, lab):
+        pool = lab.PrefixCachingAllocator(64, 2)
+        a = lab.HybridSequence("a", pool, range(12), [None, 3])  # 6 blocks cached in each group
+        a.free()
+        b = lab.HybridSequence("b", pool, list(range(12)) + [99], [None, 3])
+        assert b.num_cached_tokens == 12  # 6 blocks: full needs 0..5, the window 2 before 12
+        assert b.block_tables[1][:6] == [None] * 5 + [b.block_tables[1][5]]  # skip(12)=10: 5
+
+    def test_never_the_whole_prompt(self, lab):  # vLLM recomputes the last token
+        pool = lab.PrefixCachingAllocator(64, 4)
+        lab.HybridSequence("a", pool, range(8), [None, 4]).free()
+        assert lab.HybridSequence("b", pool, range(8), [None, 4]).num_cached_tokens == 4
+
+    def test_groups_are_keyed_apart(self, lab):  # the same tokens, two entries
+        pool = lab.PrefixCachingAllocator(64, 4)
+        seq = lab.HybridSequence("a", pool, range(8), [None, None])
+        assert len(pool.index.block_of) == 4 and len(set(pool.index.block_hash)) == 4
+        seq.free()
+
+    def test_window_cuts_the_hit_below_full_attention(self, lab):
+        pool = lab.PrefixCachingAllocator(8, 2)  # small: the window's early blocks get evicted
+        a = lab.HybridSequence("a", pool, range(6), [None, 2])
+        for t in range(6, 8):
+            a.append(t)
+        a.free()
+        lab.HybridSequence("x", pool, [50, 51, 52], [None, 2]).free()  # evicts LRU window blocks
+        b = lab.HybridSequence("b", pool, range(8), [None, 2])
+        lab.check_invariants(pool, [b])
+        assert b.num_cached_tokens % 2 == 0 and b.num_cached_tokens <= 6
+
+
+    def snapshot(self, pool, *seqs):
+        return pickle.dumps([vars(pool)] + [vars(s) | {"allocator": None} for s in seqs])
+
+    @pytest.mark.parametrize("windows, error", [([], ValueError), ([0], ValueError),
+                                                (["4"], TypeError), ([True], TypeError),
+                                                (4, TypeError)])
+    def test_bad_windows_refused(self, lab, windows, error):
+        pool = lab.PrefixCachingAllocator(16, 4)
+        before = self.snapshot(pool)
+        with pytest.raises(error):
+            lab.HybridSequence(0, pool, range(5), windows)
+        assert self.snapshot(pool) == before
+
+    def test_radix_pool_and_non_pool_refused(self, lab):
+        with pytest.raises(ValueError):
+            lab.HybridSequence(0, lab.PrefixCachingAllocator(16, 4, index="radix"), [1], [None])
+        with pytest.raises(TypeError):
+            lab.HybridSequence(0, object(), [1], [None])
+        with pytest.raises((TypeError, ValueError)):
+            lab.HybridSequence(0, lab.BlockAllocator(4, 4), [1, -1], [None])
+
+    def test_pool_too_small_changes_nothing(self, lab):
+        pool = lab.PrefixCachingAllocator(5, 4)
+        lab.HybridSequence("a", pool, range(8), [None, 4]).free()  # 4 cached blocks
+        before = self.snapshot(pool)
+        with pytest.raises(lab.OutOfBlocksError):
+            lab.HybridSequence("b", pool, range(24), [None, 4])  # 12 blocks, 2 hits: too many
+        assert self.snapshot(pool) == before
+
+    def test_refused_append_changes_nothing(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.HybridSequence("a", pool, range(4), [None, None])
+        before = self.snapshot(pool, seq)
+        with pytest.raises(lab.OutOfBlocksError):
+            seq.append(9)  # both groups need a block, none free
+        assert self.snapshot(pool, seq) == before
+
+    def test_append_counts_the_room_the_window_makes(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.HybridSequence("a", pool, range(4), [None, 2])  # 4 blocks, the pool full
+        with pytest.raises(lab.OutOfBlocksError):
+            seq.append(9)  # the window frees block 0 (3 tokens skipped), the groups need 2
+        pool = lab.BlockAllocator(5, 2)
+        seq = lab.HybridSequence("a", pool, range(4), [None, 2])
+        seq.append(9)  # 1 free + 1 the window frees
+        assert pool.num_used == 5 and seq.block_tables == [[0, 1, 2], [None, 3, 4]]
+        lab.check_invariants(pool, [seq])
+
+    def test_freed_sequence(self, lab):
+        pool = lab.BlockAllocator(8, 2)
+        seq = lab.HybridSequence("a", pool, range(3), [None, 2])
+        seq.free()
+        assert pool.num_used == 0 and seq.block_tables == [[], []]
+        with pytest.raises(ValueError):
+            seq.append(1)
+        with pytest.raises(ValueError):
+            seq.free()
+
+    def test_num_used_counts_every_group(self, lab):
+        pool = lab.BlockAllocator(64, 4)
+        seq = lab.HybridSequence("a", pool, range(10), [None, 4, 4])
+        assert pool.num_used == 9
+        for t in range(10, 20):
+            seq.append(t)
+        held = sum(len(t) - t.count(None) for t in seq.block_tables)
+        assert pool.num_used == held and seq.block_tables[1].count(None) > 0
+
+
+    def test_fuzz_hybrid_against_a_plain_list_model(self, lab):
+        """Random admissions (prompts cut from earlier ones), appends and frees on small caching
+        pools; after each: the oracle check; a refusal changes nothing; all freed at the end."""
+        total = collections.Counter()
+        for seed in range(6):
+            rng = random.Random(seed)
+            size = rng.choice([1, 2, 4])
+            pool, live, seen = lab.PrefixCachingAllocator(rng.choice([10, 16, 24]), size), {}, [[]]
+            windows = rng.choice([[None, 2], [None, 5], [3], [None, None, 4], [4, 4, None]])
+            counts = collections.Counter()
+            for step in range(400):
+                op = rng.choice(["create", "append", "append", "free"] if live else ["create"])
+                before = pickle.dumps([vars(pool)] + [vars(s) | {"allocator": None}
+                                                      for s in live.values()])
+                try:
+                    if op == "create" and len(live) < 4:
+                        past = rng.choice(seen)
+                        tokens = past[:rng.randint(0, len(past))] + [rng.randrange(3) for _ in
+                                                                     range(rng.randint(0, 3 * size))]
+                        live[step] = lab.HybridSequence(step, pool, tokens, windows)
+                    elif op in ("append", "create") and live:
+                        live[rng.choice(sorted(live))].append(rng.randrange(3))
+                    elif live:
+                        seq = live.pop(rng.choice(sorted(live)))
+                        seen.append(list(seq.tokens))
+                        seq.free()
+                    counts[op] += 1
+                except lab.OutOfBlocksError:
+                    counts["refused"] += 1
+                    assert pickle.dumps([vars(pool)] + [vars(s) | {"allocator": None}
+                                                        for s in live.values()]) == before
+                lab.check_invariants(pool, live.values())
+            for seq in live.values():
+                seq.free()
+            lab.check_invariants(pool, [])
+            assert pool.num_used == 0
+            total += counts
+        assert total["refused"] > 0 and total["create"] > 100
 
 
 # ---------------------------------------------------------------------------------------
