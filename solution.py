@@ -849,10 +849,13 @@ class HashIndex:
         for k in range(first, min(last, len(tokens) // size)):
             chunk = tokens[k * size:(k + 1) * size]
             parent = hash_block_tokens(parent, chunk)
-            self.block_hash[table[k]] = parent
-            self.block_of.setdefault(parent, {})[table[k]] = None
-            self.policy.insert(table[k], chunk)
+            self.cache(table[k], parent, chunk)
         return []
+
+    def cache(self, block, block_hash, token_ids):  # one more copy under block_hash
+        self.block_hash[block] = block_hash
+        self.block_of.setdefault(block_hash, {})[block] = None
+        self.policy.insert(block, token_ids)
 
     def holds(self, block):
         return block in self.block_hash
@@ -1486,7 +1489,7 @@ class Scheduler:
     def run(self, requests):
         """Serve requests until every one finishes; return finished. Refused up front, changing
         nothing: a req_id given twice or finished before (ValueError), a bad prompt or max_tokens
-        (TypeError or ValueError naming it), one that could never fit (ValueError: it would wait)."""
+        (TypeError or ValueError naming it), one that could never fit (ValueError: it waits)."""
         requests, ids = list(requests), Counter(request.req_id for request in requests)
         for request in requests:
             if ids[request.req_id] > 1 or request.req_id in self.finished:
@@ -2649,9 +2652,8 @@ class HybridSequence:
         if isinstance(self.allocator, PrefixCachingAllocator):
             index, size = self.allocator.index, self.allocator.block_size
             for g, table in enumerate(self.block_tables):
-                index.block_hash[table[k]] = key = group_key(self.hashes[k], g)
-                index.block_of.setdefault(key, {})[table[k]] = None
-                index.policy.insert(table[k], self.tokens[k * size:(k + 1) * size])
+                block_tokens = self.tokens[k * size:(k + 1) * size]
+                index.cache(table[k], group_key(self.hashes[k], g), block_tokens)
 
     def append(self, token):
         """A decode step (vLLM's allocate_slots): window groups free the blocks now behind them,
