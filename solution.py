@@ -28,6 +28,7 @@ plain list. Read it top to bottom; each part builds on the ones above it.
     Part 10 benchmark ................ O(1) per operation; admission against the hash alone
     Part 11 a real trace ............. online policies against the offline optimum
     Part 12 a fleet .................. where a request goes among prefill instances (Mooncake)
+    Part 13 hybrid models ............ sliding-window and full-attention groups on one pool
 
     python solution.py                 # the core: checks, pitfalls, memory, sharing
     python solution.py all             # and the extensions but bench, trace and fleet
@@ -41,7 +42,8 @@ Where the ideas come from:
             Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11; its fleet: 12)
     vLLM:   vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py (v1: the
             free queue, ref_cnt, hash_block_tokens, get_computed_blocks); vllm/core/block/
-            (v0: copy-on-write, swapping); SGLang: python/sglang/srt/mem_cache/radix_cache.py
+            (v0: copy-on-write, swapping); kv_cache_coordinator.py, single_type_kv_cache_
+            manager.py, docs/design/hybrid_kv_cache_manager.md (Part 13); SGLang: python/sglang/srt/mem_cache/radix_cache.py
             and evict_policy.py; sgl-router's cache_aware policy
 
 Glossary (one word per idea; the code uses these and no others)
@@ -63,6 +65,8 @@ Glossary (one word per idea; the code uses these and no others)
                     FIFO, S3-FIFO, a look-ahead), for the radix tree a leaf priority
     cached          a full block its index holds, in use or evictable
     lock            a match taken into use: a locked block (radix: node) is never evicted
+    group           a KV cache group: layers of one attention type sharing a block table
+    window          a sliding window of W tokens: a group that keeps only the last W
 """
 
 import argparse
