@@ -42,9 +42,10 @@ Where the ideas come from:
             Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11; its fleet: 12)
     vLLM:   vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py (v1: the
             free queue, ref_cnt, hash_block_tokens, get_computed_blocks); vllm/core/block/
-            (v0: copy-on-write, swapping); kv_cache_coordinator.py, single_type_kv_cache_
-            manager.py, docs/design/hybrid_kv_cache_manager.md (Part 13); SGLang: python/sglang/srt/mem_cache/radix_cache.py
-            and evict_policy.py; sgl-router's cache_aware policy
+            (v0: copy-on-write, swapping); v1's kv_cache_coordinator.py and
+            single_type_kv_cache_manager.py, docs/design/hybrid_kv_cache_manager.md (Part 13)
+    SGLang: python/sglang/srt/mem_cache/radix_cache.py and evict_policy.py; sgl-router's
+            cache_aware policy
 
 Glossary (one word per idea; the code uses these and no others)
     pool            a BlockAllocator: a fixed number of physical blocks
