@@ -229,14 +229,19 @@ class BlockAllocator:
         self.free_blocks([check_block(self, block)])
 
     def free_blocks(self, blocks):
-        """free each of blocks, trusted to be in use (a sequence giving back its own table).
-        Pitfall 1 of Part 4 edits `if ref_cnt[block] == 0:`."""
-        ref_cnt = self.ref_cnt
+        """free each of blocks (a list), trusted to be in use (a sequence giving back its table)."""
+        self.free_block_ids += self.unref(blocks)
+
+    def unref(self, blocks):
+        """Drop a reference to each of blocks; returns those left with none, in order, now free
+        (Part 6 keeps some). Pitfall 1 of Part 4 edits `if ref_cnt[block] == 0:`."""
+        ref_cnt, unused = self.ref_cnt, []
         for block in blocks:
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
                 del ref_cnt[block]
-                self.free_block_ids.append(block)
+                unused.append(block)
+        return unused
 
     def refcount(self, block):
         """block's references: 0 if it is free."""
@@ -617,7 +622,7 @@ def block_map(allocator, sequences):
 
 # The four classic pitfalls, (name, method, a line of it, the bug): README's "Break it" edits.
 PITFALLS = [
-    ("freeing a shared block", BlockAllocator.free_blocks, "if ref_cnt[block] == 0:",
+    ("freeing a shared block", BlockAllocator.unref, "if ref_cnt[block] == 0:",
      "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
      "self.block_table[-1] = self.allocator.copy_block(shared)", "return shared"),
@@ -802,7 +807,8 @@ class LRU:
         pass
 
     def add(self, blocks, now):
-        self.evictable.update(dict.fromkeys(blocks))
+        for block in blocks:
+            self.evictable[block] = None
 
     def remove(self, blocks):
         for block in blocks:
@@ -953,11 +959,7 @@ class PrefixCachingAllocator(BlockAllocator):
         return self.index.check(self.ref_cnt)
 
     def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
-        given_back = len(self.free_block_ids)
-        super().free_blocks(blocks)
-        free = self.free_block_ids[given_back:]
-        del self.free_block_ids[given_back:]
-        self.free_block_ids += self.index.release(blocks, free, self.stats.prompts)
+        self.free_block_ids += self.index.release(blocks, self.unref(blocks), self.stats.prompts)
 
     def allocate_many(self, n):  # NOTE: uncached free blocks first; vLLM pops one queue of both
         self.ensure_free(check_int(n, "n", 0))  # the check, before any eviction
