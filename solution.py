@@ -2705,11 +2705,10 @@ VLLM_HYBRID = ([None, 32, 32], 16, 111)  # 10 full + 20 window layers in 3 group
 # a 112-token request (a prompt, a decode step): "11 blocks"; 15 tokens, cached, hits possible:
 VLLM_SLIDING = (4, 15, [2, 3, 4, 5, 11, 12, 13], [5, 6, 14])  # window 4, block size 1: 14 taken
 HYBRID_MODELS = {"gpt-oss-120b": (36, 18, 128, 8, 64), "Gemma 3 27B": (62, 10, 1024, 16, 128)}
-# (layers, full ones, window, KV heads, head dim), bf16. gpt-oss-120b: openai/gpt-oss gpt_oss/
-# torch/model.py ModelConfig (num_hidden_layers 36, num_key_value_heads 8, head_dim 64, window 128
-# on even layers) = huggingface.co/openai/gpt-oss-120b config.json. Gemma 3 27B: huggingface.co/
-# google/gemma-3-27b-it config.json text_config (num_hidden_layers 62, num_key_value_heads 16,
-# head_dim 128, sliding_window 1024, sliding_window_pattern 6): 52 + 10, as vLLM's doc counts
+# (layers, full ones, window, KV heads, head dim), bf16. gpt-oss-120b: openai/gpt-oss's ModelConfig
+# and transformers' GptOssConfig defaults (36 layers, 8 KV heads of 64, window 128 on even layers).
+# Gemma 3 27B: google/gemma-3-27b's text_config as public copies give it (62 layers, 16 KV heads of
+# 128, sliding_window 1024, pattern 6: 5 local to 1 global), 52 + 10 as vLLM's doc counts
 HYBRID_POOL_GIB = 64  # GiB of KV for the real-model table: the lab's choice
 CONTEXTS = (2048, 8192, 32768, 131072)  # tokens per request in the real-model table
 
