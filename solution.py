@@ -2549,10 +2549,11 @@ def demo_fig10(requests, name):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
-SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed); more may follow
+SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed)
 TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ())}  # each
-# f(path, limit, and its options by name); a new section is one line in one of these tables
+# f(path, limit, then its options in order); a new command is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
+STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the starter's: the banners' names; 1-5 core
 
 
 def knob_ranges(b):
@@ -2560,30 +2561,23 @@ def knob_ranges(b):
     ZeroDivisionError in a demo): name -> (value, low, high) at block size b; main refuses a value
     outside low..high, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
-    count = (1, math.inf)  # at least 1
-    return {"CHAT_TURNS": (CHAT_TURNS, *count), "CHAT_CONVERSATIONS": (CHAT_CONVERSATIONS, *count),
-            "EVICT_REQUESTS": (EVICT_REQUESTS, *count), "EVICT_SEEDS": (EVICT_SEEDS, *count),
-            "SWAP_TOKENS": (SWAP_TOKENS, *count), "SWEEP_SEEDS": (SWEEP_SEEDS, *count),
-            "SWEEP_SYSTEM_LEN": (SWEEP_SYSTEM_LEN, *count), "FLEET_SIZES": (FLEET_SIZES, *count),
-            "BENCH_REPEATS": (BENCH_REPEATS, *count), "COPY_LATENCY_S": (COPY_LATENCY_S, 0, 1),
-            "PREFILL_EFFICIENCIES": (PREFILL_EFFICIENCIES, 0.01, 1), "FLEET_EFFICIENCIES": (
-                FLEET_EFFICIENCIES, 0.01, 1), "ACTUAL_LEN": (ACTUAL_LEN, 1, MAX_LEN),
-            "EVICT_SIZES": (EVICT_SIZES, 1, SWAP_TOKENS), "NUM_SAMPLES": (NUM_SAMPLES, 1, widest),
-            "BEAM_WIDTHS": (BEAM_WIDTHS, 1, widest), "SWEEP_SIZES": (SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
-            "POOL_TOKENS": (POOL_TOKENS, MAX_LEN + b, math.inf), "CACHE_POOLS": (CACHE_POOLS, b,
-            math.inf), "MAX_SEQ_LEN": (MAX_SEQ_LEN, 2, math.inf), "SERVING_LIFETIMES": (
-                SERVING_LIFETIMES, 0.1, math.inf), "BENCH_POOLS": (BENCH_POOLS, max(100, b),
-                                                                    math.inf)}
-
-
-STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the banners' names; 1-5: the core
+    counts = dict(CHAT_TURNS=CHAT_TURNS, CHAT_CONVERSATIONS=CHAT_CONVERSATIONS,
+                  EVICT_REQUESTS=EVICT_REQUESTS, EVICT_SEEDS=EVICT_SEEDS, SWAP_TOKENS=SWAP_TOKENS,
+                  SWEEP_SEEDS=SWEEP_SEEDS, SWEEP_SYSTEM_LEN=SWEEP_SYSTEM_LEN,
+                  FLEET_SIZES=FLEET_SIZES, BENCH_REPEATS=BENCH_REPEATS)  # at least 1 each
+    return {name: (value, 1, math.inf) for name, value in counts.items()} | dict(
+        COPY_LATENCY_S=(COPY_LATENCY_S, 0, 1), PREFILL_EFFICIENCIES=(PREFILL_EFFICIENCIES, 0.01, 1),
+        FLEET_EFFICIENCIES=(FLEET_EFFICIENCIES, 0.01, 1), ACTUAL_LEN=(ACTUAL_LEN, 1, MAX_LEN),
+        EVICT_SIZES=(EVICT_SIZES, 1, SWAP_TOKENS), NUM_SAMPLES=(NUM_SAMPLES, 1, widest),
+        BEAM_WIDTHS=(BEAM_WIDTHS, 1, widest), SWEEP_SIZES=(SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
+        POOL_TOKENS=(POOL_TOKENS, MAX_LEN + b, math.inf), CACHE_POOLS=(CACHE_POOLS, b, math.inf),
+        MAX_SEQ_LEN=(MAX_SEQ_LEN, 2, math.inf), BENCH_POOLS=(BENCH_POOLS, max(100, b), math.inf),
+        SERVING_LIFETIMES=(SERVING_LIFETIMES, 0.1, math.inf))
 
 
 def starter(step, path):
-    """Write to path this file with step's bodies removed: a core step N (1-5) removes those
-    of Parts N..5, another step only its own. Each function and method keeps its signature,
-    docstring and the comments before its body, which becomes `raise NotImplementedError`.
-    Run it on your own file to go to the next step."""
+    """Write to path this file with step's function bodies (a core step N's: Parts N..5) made `raise
+    NotImplementedError`; signatures, docstrings and comments stay. Run it on your own file too."""
     lines = pathlib.Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines, 1) if re.match(rf"# (Part )?{step}\. ", line))
     end = r"# Part 6\. " if step in STEPS[:5] else r"# (Part \d+\. |\d+[a-c]\. |The [a-z ]+-*$)"
@@ -2599,96 +2593,73 @@ def starter(step, path):
     pathlib.Path(path).write_text("".join(lines), encoding="utf-8")
 
 
-def int_in(low, high=math.inf):
-    """An argparse type: an int in low..high."""
-    def parse(text):
-        value = int(text)  # a ValueError: argparse's "invalid int value"
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}" if high < math.inf
-                                             else f"{value} is not >= {low}")
-        return value
-    parse.__name__ = "int"
-    return parse
-
-
-def section_name(text):  # an argparse type: choices= refuses nargs="*" given none (3.10, 3.11)
-    if text not in SECTIONS:
-        raise argparse.ArgumentTypeError(f"no section {text!r} (choose from {', '.join(SECTIONS)})")
-    return text
-
-
-def add_options(parser, flags, suppress=("--block-size", "--seed")):
-    """Add flags' options to parser; those in suppress default to argparse.SUPPRESS, so that the
-    default run's, given before a command, stays."""
-    options = {"--block-size": dict(type=int_in(1, MAX_BLOCK_SIZE), default=BLOCK_SIZE,
+def main(argv=None):
+    """Parse argv (else sys.argv[1:]) with argparse: no command, the default run, else one command.
+    Run it; a bad option exits 2 with argparse's usage, a bad knob or file with one line."""
+    options = {"--block-size": dict(type=int, metavar="N",
                                     help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default 16)"),
-               "--seed": dict(type=int_in(0), help="seed every workload, >= 0 (default: ours)"),
-               "--requests": dict(type=int_in(1), dest="limit", help="the first N only"),
+               "--seed": dict(type=int, metavar="N", help="seeds workloads, >= 0 (default ours)"),
+               "--requests": dict(type=int, metavar="N", dest="limit", help="the first N only"),
                "--index": dict(choices=list(INDEXES), default="hash", help="(default hash)")}
-    for flag in flags:
-        parser.add_argument(flag, **{**options[flag], **({} if flag == "--index" else {
-            "metavar": "N"}), **({"default": argparse.SUPPRESS} if flag in suppress else {})})
-
-
-def command_line():
-    """The parser: with no command the default run, else one command, each with its --help."""
     parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab; "
                                      f"no command: the default run ({', '.join(CORE)}).")
-    add_options(parser, ("--block-size", "--seed"), suppress=())
+    for flag in ("--block-size", "--seed"):
+        parser.add_argument(flag, **options[flag])
+    parser.set_defaults(block_size=BLOCK_SIZE, limit=None, sections=list(CORE), more=[])
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    def command(name, about, *flags):  # about: a string, or what the command runs (its doc)
-        about = about if type(about) is str else inspect.getdoc(about) or ""
-        first, *more = about.split("\n")
-        add_options(sub := commands.add_parser(name, help=first + " ..." * (len(more) > 0),
-                                               description=about), flags)
+    def command(name, about, *flags, **defaults):  # SUPPRESS: an option given before it stays
+        sub = commands.add_parser(name, help=textwrap.shorten(about, 110, placeholder=" ..."),
+                                  description=about, argument_default=argparse.SUPPRESS)
+        for flag in flags:
+            sub.add_argument(flag, **options[flag])
+        sub.set_defaults(**defaults)
         return sub
-    for name, demo in SECTIONS.items():
-        command(name, demo, "--block-size", "--seed").add_argument(
-            "more", nargs="*", type=section_name, metavar="SECTION", help="more, run in order")
+    for name, run in SECTIONS.items():
+        command(name, inspect.getdoc(run) or "", "--block-size", "--seed", sections=[name]
+                ).add_argument("more", nargs="*", metavar="SECTION", help="more, run in order")
     command("all", f"the core and the extensions ({', '.join(EXTENSIONS)})", "--block-size",
-            "--seed")
+            "--seed", sections=[*CORE, *EXTENSIONS])
     for name, (demo, flags) in TRACED.items():
-        command(name, demo, "--requests", *flags).add_argument("path", metavar="PATH", help=(
-            "a Mooncake-format JSONL file (FAST25-release/traces/ of kvcache-ai/Mooncake)"))
-    steps = command("starter", starter)
+        command(name, inspect.getdoc(demo) or "", "--requests", *flags, sections=[]).add_argument(
+            "path", metavar="PATH", help="a Mooncake-format JSONL file (FAST25-release/traces/ "
+            "of kvcache-ai/Mooncake)")
+    steps = command("starter", inspect.getdoc(starter))
     steps.add_argument("step", choices=STEPS, help="the step to write")
     steps.add_argument("file", metavar="FILE", help="where it goes")
-    return parser
-
-
-def main(argv=None):
-    parser, argv = command_line(), sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command in (*TRACED, "starter") and argv[0] != args.command:
         parser.error(f"{args.command}'s options go after it")  # those before are the sections'
-    name = args.command or "the default run"  # name: what failed
+    ranges = {"--block-size": (args.block_size, 1, MAX_BLOCK_SIZE), "--seed": (args.seed, 0,
+              math.inf), "--requests": (args.limit, 1, math.inf)}  # type=int checks no range
+    for flag, (value, low, high) in ranges.items():
+        if value is not None and not low <= value <= high:
+            parser.error(f"argument {flag}: {value} is not in {low}..{high}")
+    if not set(args.more) <= SECTIONS.keys():  # not choices=: it refuses nargs="*" given none
+        parser.error(f"argument SECTION: choose from {', '.join(SECTIONS)}")
+    name = args.command  # what failed: the command, or the section running
     try:
         if args.command == "starter":  # before the knob checks: a starter's own parts may be empty
             return starter(args.step, args.file)
         for knob, (value, low, high) in knob_ranges(args.block_size).items():
             values = value if isinstance(value, tuple) else (value,)
             if len(values) == 0 or not all(low <= v <= high for v in values):
-                parser.exit(2, f"{parser.prog}: error: knob {knob} must be in {low}..{high}, got "
-                               f"{value!r}\n")
+                parser.exit(2, f"solution.py: error: knob {knob}: {value} not in {low}..{high}\n")
         if args.command in TRACED:
             demo, flags = TRACED[args.command]
-            demo(path=args.path, limit=args.limit, **{f[2:].replace("-", "_"): getattr(
-                args, f[2:].replace("-", "_")) for f in flags})
-        else:
-            names = [*CORE, *EXTENSIONS] if name == "all" else [args.command, *args.more] if \
-                args.command is not None else list(CORE)
-            for i, name in enumerate(names):
-                print("" if i == 0 else "\n", end="")
-                SECTIONS[name](args.block_size, args.seed)
-            if args.command is None:
-                print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
-                      "trace PATH, fleet PATH")
+            demo(args.path, args.limit, *(getattr(args, f[2:].replace("-", "_")) for f in flags))
+        for i, name in enumerate([*args.sections, *args.more]):
+            print("" if i == 0 else "\n", end="")
+            SECTIONS[name](args.block_size, args.seed)
+        if args.command is None:
+            print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
+                  "trace PATH, fleet PATH")
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
     except BrokenPipeError:  # nothing more to write to: exit quietly
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.exit(2, f"{parser.prog}: error: {name}: {type(error).__name__}: {error}\n")  # knob
+        parser.exit(2, f"solution.py: error: {name}: {type(error).__name__}: {error}\n")  # knob
 
 
 if __name__ == "__main__":
