@@ -2324,23 +2324,21 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # ---------------------------------------------------------------------------------------
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
-# Behind a router, each prefill instance has its own prefix cache: spread requests for load and
-# the caches stop hitting; send each to its longest cached prefix and hot prefixes pile onto one
-# instance. An instance: a PrefixCachingAllocator (a block a 512-token hash id), a FIFO prefill
-# queue; requests arrive at the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's
-# Fig. 10; a prompt's blocks are cached when scheduled. Time, Mooncake (Qin et al., FAST'25) Eq. 1
-# and Table 1, LLaMA3-70B on 8 x A800: flops(n) = l (a n^2 d + b n d^2), l = 80, d = 8192, a = 4,
-# b = 22; a cached prefix of p tokens saves flops(p); the GPUs give 8 x 312 TFLOP/s (bf16 peak) x
-# an efficiency (30% ours; 20%, 50% shown). A prefix fetched from another instance moves l x 2
-# (K, V) x d / gqa (8) x 2 bytes = 320 KB a token over min(128 GB/s host-to-device, 800 Gbps NIC).
+# Behind a router each prefill instance has its own prefix cache: spread requests for load and the
+# caches stop hitting; send each to its longest cached prefix and hot prefixes pile onto one. An
+# instance: a PrefixCachingAllocator (a block a 512-token hash id) and a FIFO prefill queue fed at
+# the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's Fig. 10. Time: Mooncake
+# (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) = l (a n^2 d + b n d^2), a cached prefix
+# p saving flops(p), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V) x d
+# / gqa x 2 bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
 FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
 FLEET_FLOPS = 8 * 312e12
-FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # the first is the one the tables use
+FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # ours first, the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
-FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold: ours first, unstated
-# there; arXiv 2407.00079, 6.2: "we prefer to compute the input tokens if the best remote prefix
-# match length is no larger than the current local reusable prefix multiplied by a threshold"
+FETCH_SECONDS = TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S  # a block, fetched
+FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold, unstated: ours first;
+# 6.2: compute "if the best remote prefix match length is no larger than" the local one x it
 TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn, "Round-robin is
 # performed within groups of servers of the same load" (its configuration manual)
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
@@ -2364,8 +2362,7 @@ class Instance:
 
 
 class Fleet:
-    """The instances; the efficiency, fetch ratio and tie rule; a Random for "random"; last, the
-    instance chosen last; and what a scheduler asks."""
+    """The instances, their rules, a Random, last (the one chosen last); what schedulers ask."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
                  ties=TIES[0], index="hash"):
@@ -2381,18 +2378,13 @@ class Fleet:
         return tied[0] if self.ties == "lowest index" else min(
             tied, key=lambda i: (i - self.last - 1) % len(keys))
 
-    def prefill(self, tokens, cached):
-        """Seconds to prefill tokens of which the first cached are in the cache."""
+    def prefill(self, tokens, cached):  # seconds to prefill tokens past the first cached
         return (flops(tokens) - flops(cached)) / (FLEET_FLOPS * self.efficiency)
 
     def queue(self, i, now):
         return max(0.0, self.instances[i].free_at - now)
 
-    def fetch(self, blocks):  # seconds to move blocks from another instance
-        return blocks * TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S
-
-    def reuse(self, i, prompt):
-        """The leading blocks of prompt instance i holds, as its index matches them."""
+    def reuse(self, i, prompt):  # the leading blocks of prompt that instance i's index matches
         return len(self.instances[i].pool.index.match(prompt)[0])
 
     def load(self, i, now):  # requests queued or in prefill: what a router counts
@@ -2413,9 +2405,8 @@ def schedule_load(fleet, request, prompt, now):
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded replica once the busiest has more than 64
-    requests over the idlest and 1.5 times as many; else the replica whose past requests share
-    the longest prefix, if it covers more than 30% of the prompt; else the one that saw least."""
+    """SGLang's and vLLM's routers: the least loaded replica once the busiest has 64 requests more
+    than the idlest and 1.5x; else the longest prefix routed there, if over 30%; else the least."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
@@ -2441,12 +2432,12 @@ def schedule_local(fleet, request, prompt, now):
 
 
 def schedule_global(fleet, request, prompt, now):
-    """Algorithm 1 (its lines 5 and 20): an instance whose own prefix is p blocks fetches the
-    best anywhere, b, if b / p > fleet.fetch_ratio (p = 0: b / p is infinite, any b > 0 is
-    fetched), else computes past p; the least transfer + queue + prefill."""
+    """Algorithm 1 (lines 5, 20): an instance with p blocks of its own fetches the best anywhere, b,
+    if b / p > fleet.fetch_ratio (p = 0: any b > 0), else computes past p; the least of transfer +
+    queue + prefill."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
     reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
-    i = fleet.pick([fleet.fetch(reuse - own) + fleet.queue(i, now) + fleet.prefill(
+    i = fleet.pick([(reuse - own) * FETCH_SECONDS + fleet.queue(i, now) + fleet.prefill(
         request.input_length, TRACE_ID_TOKENS * reuse) for i, (own, reuse) in enumerate(zip(
             cached, reuses, strict=True))])
     return i, reuses[i]
@@ -2470,11 +2461,9 @@ class FleetRun:
 
 def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
                  efficiency=FLEET_EFFICIENCIES[0], seed=0, **rules):
-    """Replay requests (load_trace's) on instances prefill instances of cache_blocks blocks,
-    each sent where FLEET_SCHEDULERS[scheduler] says: it waits for its instance's queue
-    (and any fetch), is prefilled past the prefix it reuses, and its blocks are cached there.
-    rules: Fleet's fetch_ratio, ties, index. ValueError up front for no request, or one longer than
-    cache_blocks (in full ids); one given twice is served twice."""
+    """Replay requests on instances prefill instances of cache_blocks blocks, each sent where
+    FLEET_SCHEDULERS[scheduler] says: it waits for that queue (and any fetch), is prefilled past
+    what it reuses, cached there. rules: Fleet's. ValueError for none, or one over the cache."""
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
     if len(prompts) == 0 or max(map(len, prompts)) > cache_blocks:
@@ -2485,7 +2474,7 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
         own, instance, fleet.last = fleet.reuse(i, prompt), fleet.instances[i], i
         reuse = own if reuse is None else reuse
         work = fleet.prefill(request.input_length, TRACE_ID_TOKENS * reuse)
-        instance.free_at = max(now + fleet.fetch(reuse - own), instance.free_at) + work
+        instance.free_at = max(now + (reuse - own) * FETCH_SECONDS, instance.free_at) + work
         instance.work += work
         instance.done.append(instance.free_at)
         instance.seen.update(request.hash_ids)
@@ -2496,11 +2485,10 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
             progress(f"fleet: {scheduler}, {instances} instances, request {number + 1:,}")
     progress("")
     ttfts.sort()
-    total, blocks = sum(instance.work for instance in fleet.instances), sum(map(len, prompts))
+    works = [instance.work for instance in fleet.instances]
     return FleetRun(sum(ttfts) / len(ttfts), ttfts[math.ceil(0.9 * len(ttfts)) - 1],
-                    reused / max(1, blocks), total / len(requests), max(
-                        instance.work for instance in fleet.instances) / max(total, 1e-300),
-                    fleet.instances)
+                    reused / max(1, sum(map(len, prompts))), sum(works) / len(requests),
+                    max(works) / max(sum(works), 1e-300), fleet.instances)
 
 
 def demo_fleet(path, limit):
@@ -2508,27 +2496,25 @@ def demo_fleet(path, limit):
     ties to the lowest index, global at each efficiency; then Fig. 10 (demo_fig10)."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
     many = FLEET_SIZES[0]
-    print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==")
-    print(f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
-          f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s")
-    print(f"ties go by {TIES[0]}, to the first after the one chosen last; global fetches the "
-          "best prefix")
-    print(f"if over r x its own (r = {FETCH_RATIOS[0]:g} ours; with none, any)")
-    print(f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, conversation "
-          f"trace), quoted;")
-    print(f"   ties moved: the mean TTFT with ties to the {TIES[1]}, less the table's")
-    print("   scheduler    mean TTFT  p90 TTFT  hit rate  prefill s/req  busiest  ties moved  "
-          "Fig. 5")
+    print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==\n"
+          f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
+          f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s\n"
+          f"ties go by {TIES[0]}, to the first after the one chosen last; global fetches the best "
+          f"prefix\nif over r x its own (r = {FETCH_RATIOS[0]:g} ours; with none, any)\n"
+          f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, conversation "
+          f"trace), quoted;\n   ties moved: the mean TTFT with ties to the {TIES[1]}, less the "
+          "table's\n   scheduler    mean TTFT  p90 TTFT  hit rate  prefill s/req  busiest  "
+          "ties moved  Fig. 5")
     runs = {s: replay_fleet(requests, many, s) for s in FIG5_ROWS}
     for label, run in [*runs.items(), *((f"global r={r:g}", replay_fleet(
             requests, many, "global", fetch_ratio=r)) for r in FETCH_RATIOS[1:])]:
-        moved = replay_fleet(requests, many, label, ties=TIES[1]) if label in FIG5_ROWS[1:] else 0
-        paper = MOONCAKE_TTFT.get(label)
-        cells = (f"{moved.mean_ttft - run.mean_ttft:+.2f} s" if moved else "",
-                 "" if paper is None else f"{paper:.2f} s")
-        print(f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
-              f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{cells[0]:>12}{cells[1]:>9}"
-              .rstrip())
+        moved, paper = "", MOONCAKE_TTFT.get(label)  # random has no ties to move
+        if label in FIG5_ROWS[1:]:
+            other = replay_fleet(requests, many, label, ties=TIES[1])
+            moved = f"{other.mean_ttft - run.mean_ttft:+.2f} s"
+        print((f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
+               f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{moved:>12}"
+               + ("" if paper is None else f"{paper:>7.2f} s")).rstrip())
     best = min(runs, key=lambda s: runs[s].mean_ttft)
     print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
           f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
@@ -2542,31 +2528,30 @@ def demo_fig10(requests, name):
     """Fig. 10 on FLEET_SIZES[1] instances: three local setups' hit rate and prefill beside their
     global ones and Fig. 10's bars (if name is a Mooncake trace), then the one nearest them."""
     few, trace = FLEET_SIZES[1], next((t for t in FIG10 if t.split("&")[0] in name), None)
-    everywhere, one, pooled = (replay_fleet(requests, n, s, cache_blocks=b) for n, s, b in (
-        (few, "global", THREE_M), (1, "load", THREE_M), (1, "load", few * THREE_M)))
-    pairs = {"the paper's: by prefix ratio": (replay_fleet(requests, few, "ratio"), everywhere),
-             "Algorithm 1: queue + prefill": (replay_fleet(requests, few, "local"), everywhere),
-             f"one {THREE_M:,}-block LRU": (one, pooled)}  # a local setup, and its global one
+    ratio, local, overall = (replay_fleet(requests, few, s) for s in ("ratio", "local", "global"))
+    one, pooled = (replay_fleet(requests, 1, "load", cache_blocks=blocks)
+                   for blocks in (THREE_M, few * THREE_M))  # one 3M-token LRU, one of 10 x 3M
+    rows = {"the paper's: by prefix ratio": (ratio, overall), "Algorithm 1: queue + prefill": (
+        local, overall), f"one {THREE_M:,}-block LRU": (one, pooled)}  # local, and its global
     rows = {label: (mine.hit_rate, mine.prefill_seconds, pool.hit_rate, pool.prefill_seconds)
-            for label, (mine, pool) in pairs.items()} | ({} if trace is None else {
-                f"Fig. 10, {trace}": FIG10[trace]})
+            for label, (mine, pool) in rows.items()}
     print(f"2. local caches (each node its own) against global (Algorithm 1; for the LRU, one "
-          f"{few * THREE_M:,}-block LRU),")
-    print(f"   {few} instances; Fig. 10's bars  hit rate  prefill s/req   global: hit rate  prefill"
-          "  hits  prefill")
-    for label, (hits, seconds, global_hits, global_seconds) in rows.items():
-        ratios = [f"{g / m:.2f}x" if hits > 0 else "-" for g, m in ((global_hits, hits),
-                                                                     (global_seconds, seconds))]
+          f"{few * THREE_M:,}-block LRU),\n   {few} instances; Fig. 10's bars  hit rate  prefill "
+          "s/req   global: hit rate  prefill  hits  prefill")
+    for label, (hits, seconds, global_hits, global_seconds) in (rows | (
+            {} if trace is None else {f"Fig. 10, {trace}": FIG10[trace]})).items():
+        ratios = ("-", "-") if hits == 0 else (f"{global_hits / hits:.2f}x",
+                                               f"{global_seconds / seconds:.2f}x")
         print(f"   {label:<30} {hits:>8.1%} {seconds:>14.2f} {global_hits:>18.1%} "
               f"{global_seconds:>8.2f} {ratios[0]:>5} {ratios[1]:>8}")
-    if trace is not None:
-        local, _, pool, _ = FIG10[trace]
-        off = {k: max(abs(row[0] - local), abs(row[2] - pool)) for k, row in [*rows.items()][:3]}
-        near, (ratio, _) = min(off, key=off.get), pairs["the paper's: by prefix ratio"]
+    if trace is not None:  # the setup nearest both hit-rate bars
+        bar, _, global_bar, _ = FIG10[trace]
+        off = {k: max(abs(row[0] - bar), abs(row[2] - global_bar)) for k, row in rows.items()}
+        near = min(off, key=off.get)
         print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, at most {off[near]:.1%} off (the "
                         f"others {', '.join(f'{off[k]:.1%}' for k in off if k != near)}): one 3M-"
                         f"token cache seeing every request hits {one.hit_rate:.1%}, the local bar "
-                        f"{local:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
+                        f"{bar:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
                         f" of the prefill, the local caches hit {ratio.hit_rate:.1%}"))
 
 
@@ -2804,10 +2789,11 @@ def demo_hybrid(block_size, seed, path=None, limit=None):
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
 EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
-SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed); more may follow
+SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed)
 TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ())}  # each
-# f(path, limit, and its options by name); a new section is one line in one of these tables
+# f(path, limit, then its options in order); a new command is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
+STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the starter's: the banners' names; 1-5 core
 
 
 def knob_ranges(b):
@@ -2815,30 +2801,23 @@ def knob_ranges(b):
     ZeroDivisionError in a demo): name -> (value, low, high) at block size b; main refuses a value
     outside low..high, or an empty tuple. A knob that reaches a contract class is refused there."""
     widest = SERVING_KV_TOKENS // (MAX_SEQ_LEN + MAX_BLOCK_SIZE)  # samples or beams that fit
-    count = (1, math.inf)  # at least 1
-    return {"CHAT_TURNS": (CHAT_TURNS, *count), "CHAT_CONVERSATIONS": (CHAT_CONVERSATIONS, *count),
-            "EVICT_REQUESTS": (EVICT_REQUESTS, *count), "EVICT_SEEDS": (EVICT_SEEDS, *count),
-            "SWAP_TOKENS": (SWAP_TOKENS, *count), "SWEEP_SEEDS": (SWEEP_SEEDS, *count),
-            "SWEEP_SYSTEM_LEN": (SWEEP_SYSTEM_LEN, *count), "FLEET_SIZES": (FLEET_SIZES, *count),
-            "BENCH_REPEATS": (BENCH_REPEATS, *count), "COPY_LATENCY_S": (COPY_LATENCY_S, 0, 1),
-            "PREFILL_EFFICIENCIES": (PREFILL_EFFICIENCIES, 0.01, 1), "FLEET_EFFICIENCIES": (
-                FLEET_EFFICIENCIES, 0.01, 1), "ACTUAL_LEN": (ACTUAL_LEN, 1, MAX_LEN),
-            "EVICT_SIZES": (EVICT_SIZES, 1, SWAP_TOKENS), "NUM_SAMPLES": (NUM_SAMPLES, 1, widest),
-            "BEAM_WIDTHS": (BEAM_WIDTHS, 1, widest), "SWEEP_SIZES": (SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
-            "POOL_TOKENS": (POOL_TOKENS, MAX_LEN + b, math.inf), "CACHE_POOLS": (CACHE_POOLS, b,
-            math.inf), "MAX_SEQ_LEN": (MAX_SEQ_LEN, 2, math.inf), "SERVING_LIFETIMES": (
-                SERVING_LIFETIMES, 0.1, math.inf), "BENCH_POOLS": (BENCH_POOLS, max(100, b),
-                                                                    math.inf)}
-
-
-STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the banners' names; 1-5: the core
+    counts = dict(CHAT_TURNS=CHAT_TURNS, CHAT_CONVERSATIONS=CHAT_CONVERSATIONS,
+                  EVICT_REQUESTS=EVICT_REQUESTS, EVICT_SEEDS=EVICT_SEEDS, SWAP_TOKENS=SWAP_TOKENS,
+                  SWEEP_SEEDS=SWEEP_SEEDS, SWEEP_SYSTEM_LEN=SWEEP_SYSTEM_LEN,
+                  FLEET_SIZES=FLEET_SIZES, BENCH_REPEATS=BENCH_REPEATS)  # at least 1 each
+    return {name: (value, 1, math.inf) for name, value in counts.items()} | dict(
+        COPY_LATENCY_S=(COPY_LATENCY_S, 0, 1), PREFILL_EFFICIENCIES=(PREFILL_EFFICIENCIES, 0.01, 1),
+        FLEET_EFFICIENCIES=(FLEET_EFFICIENCIES, 0.01, 1), ACTUAL_LEN=(ACTUAL_LEN, 1, MAX_LEN),
+        EVICT_SIZES=(EVICT_SIZES, 1, SWAP_TOKENS), NUM_SAMPLES=(NUM_SAMPLES, 1, widest),
+        BEAM_WIDTHS=(BEAM_WIDTHS, 1, widest), SWEEP_SIZES=(SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
+        POOL_TOKENS=(POOL_TOKENS, MAX_LEN + b, math.inf), CACHE_POOLS=(CACHE_POOLS, b, math.inf),
+        MAX_SEQ_LEN=(MAX_SEQ_LEN, 2, math.inf), BENCH_POOLS=(BENCH_POOLS, max(100, b), math.inf),
+        SERVING_LIFETIMES=(SERVING_LIFETIMES, 0.1, math.inf))
 
 
 def starter(step, path):
-    """Write to path this file with step's bodies removed: a core step N (1-5) removes those
-    of Parts N..5, another step only its own. Each function and method keeps its signature,
-    docstring and the comments before its body, which becomes `raise NotImplementedError`.
-    Run it on your own file to go to the next step."""
+    """Write to path this file with step's function bodies (a core step N's: Parts N..5) made `raise
+    NotImplementedError`; signatures, docstrings and comments stay. Run it on your own file too."""
     lines = pathlib.Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines, 1) if re.match(rf"# (Part )?{step}\. ", line))
     end = r"# Part 6\. " if step in STEPS[:5] else r"# (Part \d+\. |\d+[a-c]\. |The [a-z ]+-*$)"
@@ -2854,96 +2833,73 @@ def starter(step, path):
     pathlib.Path(path).write_text("".join(lines), encoding="utf-8")
 
 
-def int_in(low, high=math.inf):
-    """An argparse type: an int in low..high."""
-    def parse(text):
-        value = int(text)  # a ValueError: argparse's "invalid int value"
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}" if high < math.inf
-                                             else f"{value} is not >= {low}")
-        return value
-    parse.__name__ = "int"
-    return parse
-
-
-def section_name(text):  # an argparse type: choices= refuses nargs="*" given none (3.10, 3.11)
-    if text not in SECTIONS:
-        raise argparse.ArgumentTypeError(f"no section {text!r} (choose from {', '.join(SECTIONS)})")
-    return text
-
-
-def add_options(parser, flags, suppress=("--block-size", "--seed")):
-    """Add flags' options to parser; those in suppress default to argparse.SUPPRESS, so that the
-    default run's, given before a command, stays."""
-    options = {"--block-size": dict(type=int_in(1, MAX_BLOCK_SIZE), default=BLOCK_SIZE,
+def main(argv=None):
+    """Parse argv (else sys.argv[1:]) with argparse: no command, the default run, else one command.
+    Run it; a bad option exits 2 with argparse's usage, a bad knob or file with one line."""
+    options = {"--block-size": dict(type=int, metavar="N",
                                     help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default 16)"),
-               "--seed": dict(type=int_in(0), help="seed every workload, >= 0 (default: ours)"),
-               "--requests": dict(type=int_in(1), dest="limit", help="the first N only"),
+               "--seed": dict(type=int, metavar="N", help="seeds workloads, >= 0 (default ours)"),
+               "--requests": dict(type=int, metavar="N", dest="limit", help="the first N only"),
                "--index": dict(choices=list(INDEXES), default="hash", help="(default hash)")}
-    for flag in flags:
-        parser.add_argument(flag, **{**options[flag], **({} if flag == "--index" else {
-            "metavar": "N"}), **({"default": argparse.SUPPRESS} if flag in suppress else {})})
-
-
-def command_line():
-    """The parser: with no command the default run, else one command, each with its --help."""
     parser = argparse.ArgumentParser(prog="solution.py", description="The paged KV-cache lab; "
                                      f"no command: the default run ({', '.join(CORE)}).")
-    add_options(parser, ("--block-size", "--seed"), suppress=())
+    for flag in ("--block-size", "--seed"):
+        parser.add_argument(flag, **options[flag])
+    parser.set_defaults(block_size=BLOCK_SIZE, limit=None, sections=list(CORE), more=[])
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    def command(name, about, *flags):  # about: a string, or what the command runs (its doc)
-        about = about if type(about) is str else inspect.getdoc(about) or ""
-        first, *more = about.split("\n")
-        add_options(sub := commands.add_parser(name, help=first + " ..." * (len(more) > 0),
-                                               description=about), flags)
+    def command(name, about, *flags, **defaults):  # SUPPRESS: an option given before it stays
+        sub = commands.add_parser(name, help=textwrap.shorten(about, 110, placeholder=" ..."),
+                                  description=about, argument_default=argparse.SUPPRESS)
+        for flag in flags:
+            sub.add_argument(flag, **options[flag])
+        sub.set_defaults(**defaults)
         return sub
-    for name, demo in SECTIONS.items():
-        command(name, demo, "--block-size", "--seed").add_argument(
-            "more", nargs="*", type=section_name, metavar="SECTION", help="more, run in order")
+    for name, run in SECTIONS.items():
+        command(name, inspect.getdoc(run) or "", "--block-size", "--seed", sections=[name]
+                ).add_argument("more", nargs="*", metavar="SECTION", help="more, run in order")
     command("all", f"the core and the extensions ({', '.join(EXTENSIONS)})", "--block-size",
-            "--seed")
+            "--seed", sections=[*CORE, *EXTENSIONS])
     for name, (demo, flags) in TRACED.items():
-        command(name, demo, "--requests", *flags).add_argument("path", metavar="PATH", help=(
-            "a Mooncake-format JSONL file (FAST25-release/traces/ of kvcache-ai/Mooncake)"))
-    steps = command("starter", starter)
+        command(name, inspect.getdoc(demo) or "", "--requests", *flags, sections=[]).add_argument(
+            "path", metavar="PATH", help="a Mooncake-format JSONL file (FAST25-release/traces/ "
+            "of kvcache-ai/Mooncake)")
+    steps = command("starter", inspect.getdoc(starter))
     steps.add_argument("step", choices=STEPS, help="the step to write")
     steps.add_argument("file", metavar="FILE", help="where it goes")
-    return parser
-
-
-def main(argv=None):
-    parser, argv = command_line(), sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command in (*TRACED, "starter") and argv[0] != args.command:
         parser.error(f"{args.command}'s options go after it")  # those before are the sections'
-    name = args.command or "the default run"  # name: what failed
+    ranges = {"--block-size": (args.block_size, 1, MAX_BLOCK_SIZE), "--seed": (args.seed, 0,
+              math.inf), "--requests": (args.limit, 1, math.inf)}  # type=int checks no range
+    for flag, (value, low, high) in ranges.items():
+        if value is not None and not low <= value <= high:
+            parser.error(f"argument {flag}: {value} is not in {low}..{high}")
+    if not set(args.more) <= SECTIONS.keys():  # not choices=: it refuses nargs="*" given none
+        parser.error(f"argument SECTION: choose from {', '.join(SECTIONS)}")
+    name = args.command  # what failed: the command, or the section running
     try:
         if args.command == "starter":  # before the knob checks: a starter's own parts may be empty
             return starter(args.step, args.file)
         for knob, (value, low, high) in knob_ranges(args.block_size).items():
             values = value if isinstance(value, tuple) else (value,)
             if len(values) == 0 or not all(low <= v <= high for v in values):
-                parser.exit(2, f"{parser.prog}: error: knob {knob} must be in {low}..{high}, got "
-                               f"{value!r}\n")
+                parser.exit(2, f"solution.py: error: knob {knob}: {value} not in {low}..{high}\n")
         if args.command in TRACED:
             demo, flags = TRACED[args.command]
-            demo(path=args.path, limit=args.limit, **{f[2:].replace("-", "_"): getattr(
-                args, f[2:].replace("-", "_")) for f in flags})
-        else:
-            names = [*CORE, *EXTENSIONS] if name == "all" else [args.command, *args.more] if \
-                args.command is not None else list(CORE)
-            for i, name in enumerate(names):
-                print("" if i == 0 else "\n", end="")
-                SECTIONS[name](args.block_size, args.seed)
-            if args.command is None:
-                print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
-                      "trace PATH, fleet PATH")
+            demo(args.path, args.limit, *(getattr(args, f[2:].replace("-", "_")) for f in flags))
+        for i, name in enumerate([*args.sections, *args.more]):
+            print("" if i == 0 else "\n", end="")
+            SECTIONS[name](args.block_size, args.seed)
+        if args.command is None:
+            print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
+                  "trace PATH, fleet PATH")
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
     except BrokenPipeError:  # nothing more to write to: exit quietly
         sys.stdout = None
         sys.exit(1)
     except (OSError, ValueError, OutOfBlocksError) as error:  # no such file, a bad line, or
-        parser.exit(2, f"{parser.prog}: error: {name}: {type(error).__name__}: {error}\n")  # knob
+        parser.exit(2, f"solution.py: error: {name}: {type(error).__name__}: {error}\n")  # knob
 
 
 if __name__ == "__main__":
