@@ -2724,8 +2724,8 @@ def print_cache_table(stream, sizes, window, block_size):
           f"go first ({cached[1]:,} cached to {cached[0]:,})")
 
 
-def demo_hybrid(block_size, seed, path=None, limit=None):
-    """vLLM's two worked examples, the real-model table, the caching tables (the trace: path)."""
+def demo_hybrid(block_size, seed):
+    """vLLM's two worked examples, the real-model table, the caching table on Part 6's chat."""
     print("== hybrid: sliding-window and full-attention KV cache groups on one pool (vLLM v1) ==")
     (windows, size, prompt), pool = VLLM_HYBRID, BlockAllocator(64, VLLM_HYBRID[1])
     seq = HybridSequence("r", pool, range(prompt), windows)
@@ -2772,14 +2772,17 @@ def demo_hybrid(block_size, seed, path=None, limit=None):
     print(f"4. prefix caching: Part 6's {len(stream)} chat requests, gpt-oss's groups (full, "
           f"window {window}) against two full")
     print_cache_table(stream, [t // block_size for t in CACHE_POOLS[:3]], window, block_size)
-    if path is not None:  # a block per hash id, as Part 11; decode tokens above every prompt's
-        requests, fresh = load_trace(path, limit), itertools.count(10 ** 9)
-        stream = [(trace_prompt(r, block_size), [next(fresh) for _ in range(trace_decode_len(
-            r, block_size))]) for r in requests]
-        window = max(1, window * block_size // TRACE_ID_TOKENS)  # 128 at the trace's scale
-        print(f"5. the same on {len(requests):,} requests of {path.rsplit('/', 1)[-1]}, a block "
-              f"per hash id: the window {window} tokens")
-        print_cache_table(stream, [THREE_M // 2, THREE_M * 2, THREE_M * 8], window, block_size)
+
+
+def demo_hybrid_trace(path, limit, block_size):
+    """The caching table on a Mooncake trace: a block per hash id, as Part 11."""
+    requests, fresh = load_trace(path, limit), itertools.count(10 ** 9)  # decode tokens: above all
+    stream = [(trace_prompt(r, block_size), [next(fresh) for _ in range(trace_decode_len(
+        r, block_size))]) for r in requests]
+    window = max(1, HYBRID_MODELS["gpt-oss-120b"][2] * block_size // TRACE_ID_TOKENS)  # its scale
+    print(f"== hybrid: gpt-oss's groups on {len(requests):,} requests of {path.rsplit('/', 1)[-1]}"
+          f", a block per hash id: a window of {window} tokens against two full ==")
+    print_cache_table(stream, [THREE_M // 2, THREE_M * 2, THREE_M * 8], window, block_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2788,12 +2791,14 @@ def demo_hybrid(block_size, seed, path=None, limit=None):
 
 CORE = {"checks": run_checks, "pitfalls": demo_pitfalls, "memory": demo_memory,
         "sharing": demo_sharing}  # the default run, in reading order
-EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep}
+EXTENSIONS = {"cache": demo_cache, "evict": demo_evict, "beam": demo_beam, "sweep": demo_sweep,
+              "hybrid": demo_hybrid}
 SECTIONS = {**CORE, **EXTENSIONS, "bench": demo_bench}  # each f(block_size, seed)
-TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ())}  # each
+TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fleet, ()),
+          "hybrid-trace": (demo_hybrid_trace, ("--block-size",))}  # each
 # f(path, limit, then its options in order); a new command is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
-STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12".split()  # the starter's: the banners' names; 1-5 core
+STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12 13".split()  # the starter's: the banners' names; 1-5 core
 
 
 def knob_ranges(b):
@@ -2892,8 +2897,8 @@ def main(argv=None):
             print("" if i == 0 else "\n", end="")
             SECTIONS[name](args.block_size, args.seed)
         if args.command is None:
-            print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench, "
-                  "trace PATH, fleet PATH")
+            print(f"\nthe extensions: python solution.py all ({', '.join(EXTENSIONS)}), bench;")
+            print(f"on a trace: {', '.join(name + ' PATH' for name in TRACED)}")
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not at exit
     except BrokenPipeError:  # nothing more to write to: exit quietly
         sys.stdout = None

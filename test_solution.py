@@ -1842,7 +1842,7 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--block-size", "x"],
                                       ["--seed", "-1"], ["nope"], ["trace"], ["cache", "nope"],
-                                      ["starter", "13", "f.py"], ["starter", "6", "f.py"],
+                                      ["starter", "14", "f.py"], ["starter", "6", "f.py"],
                                       ["--index", "tree"], ["trace", "t.jsonl", "--index", "x"],
                                       ["all", "bench"], ["cache", "--requests", "5"],
                                       ["trace", "t.jsonl", "--seed", "1"],
@@ -1887,10 +1887,10 @@ class TestCommandLine:
         calls = []
         monkeypatch.setitem(lab.SECTIONS, "hello", lambda block_size, seed: calls.append(
             (block_size, seed)))
-        monkeypatch.setitem(lab.TRACED, "hybrid", (lambda path, limit, block_size, seed: calls.append(
+        monkeypatch.setitem(lab.TRACED, "replay", (lambda path, limit, block_size, seed: calls.append(
             (path, limit, block_size, seed)), ("--block-size", "--seed")))
         lab.main(["hello", "--seed", "3"])
-        lab.main(["hybrid", "t.jsonl", "--requests", "5", "--seed", "2"])
+        lab.main(["replay", "t.jsonl", "--requests", "5", "--seed", "2"])
         assert calls == [(16, 3), ("t.jsonl", 5, 16, 2)]
 
     @pytest.mark.parametrize("knob, value", [("ACTUAL_LEN", 0), ("POOL_TOKENS", 100),
