@@ -2558,10 +2558,9 @@ def demo_fig10(requests, name):
 # ---------------------------------------------------------------------------------------
 # Part 13. Extension: hybrid models, sliding-window and full-attention groups on one pool
 # ---------------------------------------------------------------------------------------
-# gpt-oss alternates full attention with 128-token sliding windows; a window layer reads only the
-# last W tokens' KV. vLLM v1 cuts the layers into KV cache groups of equal size, one attention type
-# each, on one pool (v1/core/kv_cache_coordinator.py, single_type_kv_cache_manager.py): a request
-# holds a table per group, a window group frees the blocks behind its window, a hit serves all.
+# A sliding-window layer reads only the last W tokens' KV (gpt-oss: every other layer, W 128). vLLM
+# v1 puts layers of one attention type in KV cache groups on one pool: a request holds a table per
+# group, a window group frees the blocks behind its window, a hit must serve every group.
 
 
 def skipped_tokens(window, n):
@@ -2574,15 +2573,15 @@ def group_key(block_hash, group):  # vLLM's make_block_hash_with_group_id: one e
 
 
 class HybridSequence:
-    """A request of a hybrid model: a block table per KV cache group, on one pool; windows[g] is
-    None (full attention) or W >= 1. Invariant: a table has cdiv(len(tokens), block_size) entries,
-    entry i None (vLLM's null block) exactly when i < skipped_tokens(W, n) // block_size, n =
-    num_cached_tokens before any append, len(tokens) - 1 after (vLLM's remove_skipped_blocks).
-    Block size 16, windows [None, 32], 111 tokens: tables of 7; append frees window blocks 4..0.
-    State: seq_id, allocator, windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens,
-    hashes (chained, per full block), is_freed. Refusals, changing nothing: Sequence's, ValueError
-    (windows not a non-empty list of None or ints >= 1, a caching pool off the hash index),
-    OutOfBlocksError. NOTE: no fork or copy-on-write: vLLM v1 shares full blocks only."""
+    """A request of a hybrid model: a block table per group, one pool; windows[g]: None (full) or
+    W >= 1. Invariant: a table has cdiv(len(tokens), block_size) entries, entry i None (vLLM's null
+    block) exactly when i < skipped_tokens(W, n) // block_size, n = num_cached_tokens before any
+    append, len(tokens) - 1 after (vLLM's remove_skipped_blocks). Block size 16, windows [None,
+    32], 111 tokens: tables of 7; append frees window blocks 4..0. State: seq_id, allocator,
+    windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens, hashes (chained),
+    is_freed. Refusals, changing nothing: Sequence's; ValueError for windows not a non-empty list
+    of None or ints >= 1, a caching pool off the hash index; OutOfBlocksError. NOTE: no fork or
+    copy-on-write: vLLM v1 shares full blocks only."""
 
     def __init__(self, seq_id, pool, tokens, windows):
         if not isinstance(pool, BlockAllocator):
@@ -2621,8 +2620,8 @@ class HybridSequence:
     def _find_hit(self):
         """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens (vLLM's
         HybridKVCacheCoordinator): a window W needs cdiv(W - 1, block_size) blocks before the end,
-        found from the right; each group may shorten the hit until none does. NOTE: full attention
-        needs all (the hit vLLM finds from the left). NOTE: vLLM caches no block of a window 1."""
+        found from the right, full attention all; each may shorten the hit until none does. NOTE:
+        vLLM finds a full-attention hit from the left, the same; it caches no window-1 block."""
         index, size, hit = self.allocator.index, self.allocator.block_size, 0
         end = max(0, len(self.tokens) - 1) // size  # NOTE: vLLM recomputes the last token
         while hit != end:  # NOTE: vLLM looks up groups of one window together: the same hit
@@ -2641,19 +2640,18 @@ class HybridSequence:
 
     def _cache(self, k):
         """Cache full block k of each group (NOTE: not insert: a window frees blocks before)."""
+        size = self.allocator.block_size
         if isinstance(self.allocator, PrefixCachingAllocator):
-            index, size = self.allocator.index, self.allocator.block_size
             for g, table in enumerate(self.block_tables):
-                block_tokens = self.tokens[k * size:(k + 1) * size]
-                index.cache(table[k], group_key(self.hashes[k], g), block_tokens)
+                self.allocator.index.cache(table[k], group_key(self.hashes[k], g),
+                                           self.tokens[k * size:(k + 1) * size])
 
     def append(self, token):
         """A decode step (vLLM's allocate_slots): window groups free the blocks now behind them,
         last first, into the one eviction order; each group takes a block if its last is full.
         NOTE: the check counts the room that makes; refused, vLLM has freed them, the lab not."""
-        if self.is_freed or type(token) is not int or token < 0:
-            self._check_live()
-            check_tokens([token])
+        self._check_live()
+        check_tokens([token])
         pool, n, tables = self.allocator, len(self.tokens), self.block_tables
         size, offset = pool.block_size, n % pool.block_size
         behind = [list(itertools.takewhile(lambda j: t[j] is not None, range(
@@ -2686,22 +2684,19 @@ class HybridSequence:
 
 # The hybrid section ---------------------------------------------------------------------
 
-VLLM_HYBRID = ([None, 32, 32], 16, 111)  # 10 full + 20 window layers in 3 groups, block size 16,
-# a 112-token request (a prompt, a decode step): "11 blocks"; 15 tokens, cached, hits possible:
-VLLM_SLIDING = (4, 15, [2, 3, 4, 5, 11, 12, 13], [5, 6, 14])  # window 4, block size 1: 14 taken
+VLLM_HYBRID = ([None, 32, 32], 16, 111)  # the doc's 10 full + 20 window layers; 112 tokens: 11
+VLLM_SLIDING = (4, 15, [2, 3, 4, 5, 11, 12, 13], [5, 6, 14])  # window, tokens, cached, hits: 14
 HYBRID_MODELS = {"gpt-oss-120b": (36, 18, 128, 8, 64), "Gemma 3 27B": (62, 10, 1024, 16, 128)}
-# (layers, full ones, window, KV heads, head dim), bf16. gpt-oss-120b: openai/gpt-oss's ModelConfig
-# and transformers' GptOssConfig defaults (36 layers, 8 KV heads of 64, window 128 on even layers).
-# Gemma 3 27B: google/gemma-3-27b's text_config as public copies give it (62 layers, 16 KV heads of
-# 128, sliding_window 1024, pattern 6: 5 local to 1 global), 52 + 10 as vLLM's doc counts
-HYBRID_POOL_GIB = 64  # GiB of KV for the real-model table: the lab's choice
-CONTEXTS = (2048, 8192, 32768, 131072)  # tokens per request in the real-model table
+# (layers, full ones, window, KV heads, head dim), bf16. gpt-oss-120b: openai/gpt-oss ModelConfig,
+# transformers' GptOssConfig defaults (36 layers, 8 KV heads of 64, window 128 on even layers).
+# Gemma 3 27B: google/gemma-3-27b's text_config as public copies give it (62 layers, 16 KV heads
+# of 128, sliding_window 1024, pattern 6: 5 local to 1 global), 52 + 10 as vLLM's doc counts
+HYBRID_POOL_GIB, CONTEXTS = 64, (2048, 8192, 32768, 131072)  # GiB of KV (ours), tokens a request
 
 
 def print_cache_table(stream, sizes, window, block_size):
     """Part 6's serve with hybrid sequences at each pool size: full + window, then full + full."""
-    print("   pool blocks  groups        hit rate   evicted  held per step g0    g1  cached g0"
-          "   g1")
+    print("   pool blocks  groups        hit rate   evicted   blocks held a step, g0    g1")
     rows, steps = {}, sum(len(answer) for _, answer in stream)
     for size, windows in itertools.product(sizes, ([None, window], [None, None])):
         progress(f"hybrid: windows {windows}, {size:,} blocks")
@@ -2713,15 +2708,13 @@ def print_cache_table(stream, sizes, window, block_size):
                 held = [h + len(t) - t.count(None) for h, t in zip(held, seq.block_tables)]
             seq.free()
         progress("")
-        cached = Counter(int.from_bytes(key[-4:], "big") for key in pool.index.block_hash.values())
-        rows[size, windows[1]] = pool.hit_rate, cached
+        rows[size, windows[1]] = pool.hit_rate
         print(f"   {size:>11,}  full + {windows[1] or 'full':<6} {pool.hit_rate:>8.1%} "
-              f"{pool.stats.evicted:>9,} {held[0] / steps:>16.1f} {held[1] / steps:>5.1f} "
-              f"{cached[0]:>9,} {cached[1]:>4,}")
-    size = max(sizes, key=lambda s: abs(rows[s, window][0] - rows[s, None][0]))
-    (mixed, cached), dense = rows[size, window], rows[size, None][0]
-    print(f"   at {size:,} blocks a window moves the hit rate {mixed - dense:+.1%}: its blocks "
-          f"go first ({cached[1]:,} cached to {cached[0]:,})")
+              f"{pool.stats.evicted:>9,} {held[0] / steps:>22.1f} {held[1] / steps:>5.1f}")
+    size = max(sizes, key=lambda s: abs(rows[s, window] - rows[s, None]))
+    mixed, dense = rows[size, window], rows[size, None]
+    print(f"   at {size:,} blocks a window moves the hit rate {100 * (mixed - dense):+.1f} points: "
+          "freed early, its blocks are evicted first")
 
 
 def demo_hybrid(block_size, seed):
@@ -2731,12 +2724,11 @@ def demo_hybrid(block_size, seed):
     seq = HybridSequence("r", pool, range(prompt), windows)
     before, held = [list(table) for table in seq.block_tables], pool.num_used
     seq.append(prompt)
-    print(f"1. vLLM's example (docs/design/hybrid_kv_cache_manager.md): windows {windows}, block "
-          f"size {size};\n   a {prompt}-token prompt holds {held} blocks, a decode step then "
-          f"{pool.num_used} (the doc: 11); /: freed (null block)")
+    print(f"1. vLLM's example (docs/design/hybrid_kv_cache_manager.md), windows {windows}, block "
+          f"size {size}:\n   {prompt} tokens hold {held} blocks, a decode step {pool.num_used} "
+          "(the doc: 11); None: freed, vLLM's null block")
     for g, (window, table) in enumerate(zip(windows, seq.block_tables)):
-        print(f"   group {g}, window {window or 'full'}:".ljust(23) + " ".join(f"{b:>2}" for b in
-              before[g]) + "  -> " + " ".join(f"{'/' if b is None else b:>2}" for b in table))
+        print(f"   group {g}, window {window or 'full'}: {before[g]} -> {table}")
     window, n, doc_cached, doc_hits = VLLM_SLIDING
     tokens, pool = list(range(100, 100 + n)), PrefixCachingAllocator(16, 1)
     first = HybridSequence("a", pool, tokens[:-1], [window])
@@ -2748,9 +2740,8 @@ def demo_hybrid(block_size, seed):
     cached = [k for k in range(n) if keys[k] in pool.index.block_of]
     hits = [h for h in range(1, n) if set(range(max(0, h - window + 1), h)) <= set(cached)]
     taken = HybridSequence("q", pool, tokens, [window]).num_cached_tokens
-    print(f"2. vLLM's window-only example: window {window}, block size 1, {n} tokens;\n   cached "
-          f"{cached}, hits possible {hits} (the doc's: {cached == doc_cached}, "
-          f"{hits == doc_hits}); taken: {taken}")
+    print(f"2. vLLM's window-only example, window {window}, block size 1, {n} tokens:\n   cached "
+          f"{cached}, hits possible {hits}, taken {taken}\n   the doc's: {doc_cached}, {doc_hits}")
     print(f"3. requests that fit in {HYBRID_POOL_GIB} GiB of KV, each a prompt and a decode step "
           f"(block size {block_size})\n   model          groups (full, window)  context   as is  "
           "all full    gain  bound")
@@ -2779,9 +2770,9 @@ def demo_hybrid_trace(path, limit, block_size):
     requests, fresh = load_trace(path, limit), itertools.count(10 ** 9)  # decode tokens: above all
     stream = [(trace_prompt(r, block_size), [next(fresh) for _ in range(trace_decode_len(
         r, block_size))]) for r in requests]
-    window = max(1, HYBRID_MODELS["gpt-oss-120b"][2] * block_size // TRACE_ID_TOKENS)  # its scale
-    print(f"== hybrid: gpt-oss's groups on {len(requests):,} requests of {path.rsplit('/', 1)[-1]}"
-          f", a block per hash id: a window of {window} tokens against two full ==")
+    window = max(1, HYBRID_MODELS["gpt-oss-120b"][2] * block_size // TRACE_ID_TOKENS)  # scaled
+    print(f"== hybrid: {len(requests):,} requests of {path.rsplit('/', 1)[-1]}; gpt-oss's window "
+          f"here: {window} tokens ==")
     print_cache_table(stream, [THREE_M // 2, THREE_M * 2, THREE_M * 8], window, block_size)
 
 
@@ -2798,7 +2789,7 @@ TRACED = {"trace": (demo_trace, ("--block-size", "--index")), "fleet": (demo_fle
           "hybrid-trace": (demo_hybrid_trace, ("--block-size",))}  # each
 # f(path, limit, then its options in order); a new command is one line in one of these tables
 MAX_BLOCK_SIZE = 256  # the largest block size every section is built for
-STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12 13".split()  # the starter's: the banners' names; 1-5 core
+STEPS = "1 2 3 4 5 6a 6b 6c 7 8 9 10 11 12 13".split()  # the banners' names; 1-5: the core
 
 
 def knob_ranges(b):
