@@ -2713,8 +2713,8 @@ def print_cache_table(stream, sizes, window, block_size):
               f"{pool.stats.evicted:>9,} {held[0] / steps:>22.1f} {held[1] / steps:>5.1f}")
     size = max(sizes, key=lambda s: abs(rows[s, window] - rows[s, None]))
     mixed, dense = rows[size, window], rows[size, None]
-    print(f"   the window moves the hit rate most at {size:,} blocks, {100 * (mixed - dense):+.1f} "
-          "points: freed early, its blocks go first")
+    print(f"   most at {size:,} blocks: the window moves the hit rate {100 * (mixed - dense):+.1f} "
+          "points; freed early, its blocks go first")
 
 
 def demo_hybrid(block_size, seed):
