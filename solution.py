@@ -2714,7 +2714,7 @@ def print_cache_table(stream, sizes, window, block_size):
     size = max(sizes, key=lambda s: abs(rows[s, window] - rows[s, None]))
     mixed, dense = rows[size, window], rows[size, None]
     print(f"   most at {size:,} blocks: the window moves the hit rate {100 * (mixed - dense):+.1f} "
-          "points; freed early, its blocks go first")
+          "points; its early-freed blocks go first")
 
 
 def demo_hybrid(block_size, seed):
