@@ -2324,21 +2324,19 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # ---------------------------------------------------------------------------------------
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
-# Behind a router each prefill instance has its own prefix cache: spread requests for load and the
-# caches stop hitting; send each to its longest cached prefix and hot prefixes pile onto one. An
-# instance: a PrefixCachingAllocator (a block a 512-token hash id) and a FIFO prefill queue fed at
-# the trace's timestamps. NOTE: decode is out of scope, as in Mooncake's Fig. 10. Time: Mooncake
-# (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) = l (a n^2 d + b n d^2), a cached prefix
-# p saving flops(p), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V) x d
-# / gqa x 2 bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
+# Spread requests for load and each instance's prefix cache stops hitting; send each to its longest
+# cached prefix and hot prefixes pile onto one. An instance: a PrefixCachingAllocator (a block a
+# 512-token hash id), a FIFO prefill queue fed at the trace's timestamps; no decode (Mooncake's Fig.
+# 10 neither). Mooncake (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) = l (a n^2 d + b n
+# d^2), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V) x d / gqa x 2
+# bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
 FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
 FLEET_FLOPS = 8 * 312e12
 FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # ours first, the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
 FETCH_SECONDS = TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S  # a block, fetched
-FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold, unstated: ours first;
-# 6.2: compute "if the best remote prefix match length is no larger than" the local one x it
+FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold, unstated: ours 1st
 TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn, "Round-robin is
 # performed within groups of servers of the same load" (its configuration manual)
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
@@ -2432,9 +2430,8 @@ def schedule_local(fleet, request, prompt, now):
 
 
 def schedule_global(fleet, request, prompt, now):
-    """Algorithm 1 (lines 5, 20): an instance with p blocks of its own fetches the best anywhere, b,
-    if b / p > fleet.fetch_ratio (p = 0: any b > 0), else computes past p; the least of transfer +
-    queue + prefill."""
+    """Algorithm 1 (lines 5, 20): the least fetch + queue + prefill, an instance with p blocks of
+    its own fetching the best, b, if b / p > fleet.fetch_ratio (p = 0: any b > 0)."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
     reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
     i = fleet.pick([(reuse - own) * FETCH_SECONDS + fleet.queue(i, now) + fleet.prefill(
@@ -2492,8 +2489,7 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
 
 
 def demo_fleet(path, limit):
-    """Each Fig. 5 scheduler on FLEET_SIZES[0] instances, global at each fetch ratio, means with
-    ties to the lowest index, global at each efficiency; then Fig. 10 (demo_fig10)."""
+    """Fig. 5's schedulers, global at each fetch ratio and efficiency, ties moved; Fig. 10."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
     many = FLEET_SIZES[0]
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==\n"
@@ -2531,10 +2527,10 @@ def demo_fig10(requests, name):
     ratio, local, overall = (replay_fleet(requests, few, s) for s in ("ratio", "local", "global"))
     one, pooled = (replay_fleet(requests, 1, "load", cache_blocks=blocks)
                    for blocks in (THREE_M, few * THREE_M))  # one 3M-token LRU, one of 10 x 3M
-    rows = {"the paper's: by prefix ratio": (ratio, overall), "Algorithm 1: queue + prefill": (
+    setups = {"the paper's: by prefix ratio": (ratio, overall), "Algorithm 1: queue + prefill": (
         local, overall), f"one {THREE_M:,}-block LRU": (one, pooled)}  # local, and its global
     rows = {label: (mine.hit_rate, mine.prefill_seconds, pool.hit_rate, pool.prefill_seconds)
-            for label, (mine, pool) in rows.items()}
+            for label, (mine, pool) in setups.items()}
     print(f"2. local caches (each node its own) against global (Algorithm 1; for the LRU, one "
           f"{few * THREE_M:,}-block LRU),\n   {few} instances; Fig. 10's bars  hit rate  prefill "
           "s/req   global: hit rate  prefill  hits  prefill")
@@ -2548,11 +2544,12 @@ def demo_fig10(requests, name):
         bar, _, global_bar, _ = FIG10[trace]
         off = {k: max(abs(row[0] - bar), abs(row[2] - global_bar)) for k, row in rows.items()}
         near = min(off, key=off.get)
+        others = ", ".join(f"{off[k]:.1%}" for k in off if k != near)
         print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, at most {off[near]:.1%} off (the "
-                        f"others {', '.join(f'{off[k]:.1%}' for k in off if k != near)}): one 3M-"
-                        f"token cache seeing every request hits {one.hit_rate:.1%}, the local bar "
-                        f"{bar:.1%}; by prefix ratio the busiest node did {ratio.busiest_share:.0%}"
-                        f" of the prefill, the local caches hit {ratio.hit_rate:.1%}"))
+                        f"others {others}): one 3M-token cache seeing every request hits "
+                        f"{one.hit_rate:.1%}, the local bar {bar:.1%}; by prefix ratio the busiest "
+                        f"node did {ratio.busiest_share:.0%} of the prefill, its caches hit "
+                        f"{ratio.hit_rate:.1%}"))
 
 
 # ---------------------------------------------------------------------------------------
