@@ -68,6 +68,32 @@ def refused(call, exception, pool, sequences=()):
     assert state(pool, sequences) == before
 
 
+def keeping(lab, num_blocks, block_size=2):
+    """A pool that keeps each block its free_blocks frees aside (kept), in neither free_block_ids
+    nor next_unused.., as a prefix cache keeps its evictable blocks; audit_kept lists them, and
+    allocate_many takes them back, oldest first, once the two lists run short."""
+    class Keeping(lab.BlockAllocator):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.kept = []
+
+        def free_blocks(self, blocks):
+            given_back = len(self.free_block_ids)
+            super().free_blocks(blocks)
+            self.kept += self.free_block_ids[given_back:]
+            del self.free_block_ids[given_back:]
+
+        def allocate_many(self, n):
+            self.ensure_free(n)
+            while len(self.free_block_ids) + self.num_blocks - self.next_unused < n:
+                self.free_block_ids.append(self.kept.pop(0))
+            return super().allocate_many(n)
+
+        def audit_kept(self):
+            return list(self.kept)
+    return Keeping(num_blocks, block_size)
+
+
 # ---------------------------------------------------------------------------------------
 # Step 1: the block pool
 # ---------------------------------------------------------------------------------------
@@ -194,6 +220,36 @@ class TestPart1Pool:
         pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
         assert state(pool) == before
 
+    def test_cdiv_rounds_up_to_whole_blocks(self, lab):
+        assert [lab.cdiv(n, 16) for n in (0, 1, 16, 17, 20, 32, 33)] == [0, 1, 1, 2, 2, 2, 3]
+        assert lab.cdiv(7, 1) == 7 and lab.cdiv(3, 4) == 1
+
+    def test_num_free_counts_every_block_without_a_ref_count_even_one_a_cache_keeps(self, lab):
+        pool = keeping(lab, 4)  # a caching pool keeps evictable blocks in neither list
+        a, b, c = pool.allocate_many(3)
+        pool.free_blocks([a, b])
+        assert (pool.kept, pool.free_block_ids, pool.next_unused) == ([a, b], [], 3)
+        assert (pool.num_free, pool.num_used) == (3, 1)  # not 1: free list + never used
+        assert sorted(pool.allocate_many(3)) == [a, b, 3] and pool.num_free == 0
+        refused(pool.allocate, lab.OutOfBlocksError, pool)
+
+    def test_a_shared_block_is_freed_only_by_its_last_reference_in_one_call(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        a, b = pool.allocate_many(2)
+        assert pool.share_blocks([a, a, b]) == [a, a, b]
+        assert (pool.refcount(a), pool.refcount(b)) == (3, 2)
+        pool.free_blocks([a, b, a])
+        assert pool.ref_cnt == {a: 1, b: 1} and pool.free_block_ids == []
+        pool.free_blocks([b, a])
+        assert pool.ref_cnt == {} and pool.free_block_ids == [b, a] and pool.num_free == 4
+
+    def test_copy_block_refuses_a_free_block_changing_nothing(self, lab):
+        pool = lab.BlockAllocator(3, 2)
+        block = pool.allocate()
+        pool.free(block)  # known, but free: nothing to copy
+        refused(lambda: pool.copy_block(block), ValueError, pool)
+        assert pool.num_copies == 0
+
 
 # ---------------------------------------------------------------------------------------
 # Step 2: block tables and sequences
@@ -289,6 +345,125 @@ class TestPart2Sequences:
         assert pool.num_free == 0 and seq.read() == [0, 1, 2, 0, 1, 2]
         refused(lambda: seq.append(9), lab.OutOfBlocksError, pool, [seq])
 
+    def reporting(self, lab, num_blocks, block_size):
+        """A pool that records what a prefix cache would hear through cache_blocks: for each
+        call, the full blocks of first..last-1 and whether they hold their tokens yet."""
+        class Reporting(lab.BlockAllocator):
+            reports = []
+
+            def cache_blocks(self, table, tokens, first, last, decode=False):
+                full = [k for k in range(first, last) if (k + 1) * self.block_size <= len(tokens)]
+                size = self.block_size
+                written = all(self.read(table[k]) == list(tokens[k * size:(k + 1) * size])
+                              for k in full)
+                self.reports.append((full, decode, written))
+        return Reporting(num_blocks, block_size)
+
+    @pytest.mark.parametrize("block_size", [1, 3])
+    def test_append_and_extend_report_each_block_they_fill_once_and_written(self, lab,
+                                                                           block_size):
+        pool = self.reporting(lab, 16, block_size)  # a prefix cache remembers these (Part 6)
+        seq = lab.Sequence("s", pool, range(4))
+        for what, call in [("append", lambda: seq.append(7))] * (2 * block_size + 1) + [
+                ("extend", lambda: seq.extend(range(2 * block_size))),
+                ("extend", lambda: seq.extend([]))]:
+            before, pool.reports[:] = len(seq) // block_size, []
+            call()
+            filled = list(range(before, len(seq) // block_size))
+            assert [k for full, _, _ in pool.reports for k in full] == filled, what
+            assert all(written and decode == (what == "append") for full, decode, written
+                       in pool.reports if full), what
+
+    def test_a_prompt_reports_its_full_blocks_as_a_prefill(self, lab):
+        pool = self.reporting(lab, 8, 3)
+        lab.Sequence("s", pool, range(7))
+        assert [(k, decode, written) for full, decode, written in pool.reports
+                for k in full] == [(0, False, True), (1, False, True)]
+
+    def test_a_prompt_starts_from_the_blocks_the_pools_cache_shares(self, lab):
+        class Remembering(lab.BlockAllocator):  # a prefix cache, faked: [1, 2] is in block 0
+            def share_cached_prefix(self, token_ids):
+                token_ids = list(token_ids)
+                hit = token_ids[:2] == [1, 2]
+                return ([self.share(0)], 2) if hit else ([], 0)
+        pool = Remembering(4, 2)
+        pool.kv_cache.write(pool.allocate(), 0, [1, 2])
+        seq = lab.Sequence("s", pool, [1, 2, 3])
+        assert list(seq.block_table)[0] == 0 and seq.read() == [1, 2, 3] and len(seq) == 3
+        assert pool.refcount(0) == 2 and pool.num_used == 2
+        whole = lab.Sequence("t", pool, [1, 2])
+        assert list(whole.block_table) == [0] and pool.num_used == 2 and whole.read() == [1, 2]
+
+    def test_read_gathers_the_kv_cache_through_the_block_table(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.Sequence("s", pool, [5, 6, 7])
+        block, offset = seq.block_table.slot(2)
+        pool.kv_cache.slots[block * 2 + offset] = 42  # what the KV cache holds, not the list
+        assert seq.read() == [5, 6, 42] and seq.tokens == [5, 6, 7]
+
+    def test_free_gives_the_blocks_back_tail_first(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.Sequence("s", pool, range(5))
+        table = list(seq.block_table)
+        seq.free()
+        assert pool.free_block_ids == table[::-1] and pool.ref_cnt == {}
+        assert pool.allocate() == table[0]  # last in, first out: the head is reused first
+
+    @pytest.mark.parametrize("tokens", [3, 5])
+    def test_append_copies_a_last_block_another_holder_shares_and_drops_its_reference(
+            self, lab, tokens):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(tokens))
+        *head, last = seq.block_table
+        pool.share(last)  # held outside the sequence (a fork does this in Part 3)
+        held = pool.read(last)
+        seq.append(99)
+        assert list(seq.block_table[:-1]) == head and seq.block_table[-1] != last
+        assert (pool.refcount(last), pool.refcount(seq.block_table[-1])) == (1, 1)
+        assert pool.read(last) == held and pool.num_copies == 1 and pool.num_used == len(head) + 2
+        assert seq.read() == [*range(tokens), 99]
+        seq.append(100)  # the copy is ours alone now: written in place
+        assert pool.num_copies == 1 and seq.read() == [*range(tokens), 99, 100]
+
+    @pytest.mark.parametrize("tokens, extra", [(5, 1), (5, 4), (6, 2)])
+    def test_extend_copies_a_shared_last_block_before_writing_it(self, lab, tokens, extra):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(tokens))
+        last = seq.block_table[-1]
+        pool.share(last)
+        held = pool.read(last)
+        seq.extend(range(50, 50 + extra))
+        assert pool.read(last) == held and pool.refcount(last) == 1 and pool.num_copies == 1
+        assert last not in seq.block_table and seq.read() == [*range(tokens), *range(50, 50 + extra)]
+        assert pool.num_used == 1 + len(seq.block_table)
+
+    def test_a_full_shared_last_block_or_an_unshared_one_is_never_copied(self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(5))
+        seq.append(5)
+        seq.extend([6, 7])  # mid-block, unshared: in place
+        pool.share(seq.block_table[-1])  # shared, but full: the next token needs a new block
+        seq.append(8)
+        seq.extend([9])
+        assert pool.num_copies == 0 and len(seq.block_table) == 3 and seq.read() == list(range(10))
+
+    def test_an_extend_that_needs_a_copy_and_a_block_is_refused_whole_when_one_is_free(self, lab):
+        pool = lab.BlockAllocator(4, 4)
+        seq = lab.Sequence("s", pool, range(5))  # 2 blocks; 2 free
+        pool.share(seq.block_table[-1])
+        pool.allocate()  # 1 free: the copy fits, the new block does not
+        refused(lambda: seq.extend(range(4)), lab.OutOfBlocksError, pool, [seq])
+        refused(lambda: lab.Sequence("t", pool, range(8)), lab.OutOfBlocksError, pool, [seq])
+
+    def test_fork_is_share_prefix_of_every_token(self, lab, monkeypatch):
+        calls = []
+        def share_prefix(src, seq_id, num_tokens=None):  # Part 3's, faked
+            calls.append((src, seq_id, len(src) if num_tokens is None else num_tokens))
+            return "the fork"
+        monkeypatch.setattr(lab.module, "share_prefix", share_prefix)
+        seq = lab.Sequence("a", lab.BlockAllocator(4, 2), range(3))
+        assert seq.fork("b") == "the fork" and calls == [(seq, "b", 3)]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 3: sharing and copy-on-write
@@ -381,6 +556,16 @@ class TestPart3Sharing:
 # ---------------------------------------------------------------------------------------
 # Step 4: checks, the randomized oracle, the pitfalls
 # ---------------------------------------------------------------------------------------
+
+class Twice:
+    """commit_bug's test: a method with one line in it twice."""
+
+    def step(self, x):
+        x = x + 1
+        if x > 2:
+            x = x + 1
+        return x
+
 
 class TestPart4Checks:
 
@@ -484,6 +669,165 @@ class TestPart4Checks:
         assert out.count("caught after") == 4 and "NOT CAUGHT" not in out
         assert before == [getattr(method, "__code__", None) for _, method, _, _ in lab.PITFALLS]
         lab.run_checks(16, None)  # the real classes still pass
+
+    @pytest.mark.parametrize("corrupt, message", [
+        ("references counted", "counts"), ("listed free twice", "free list"),
+        ("listed free in use", "free list"), ("free, listed nowhere", "free list")])
+    def test_the_audit_names_a_count_or_a_free_list_that_is_wrong(self, lab, corrupt, message):
+        class Counting(lab.BlockAllocator):  # pitfall 4: num_used counts references
+            num_used = property(lambda self: sum(self.ref_cnt.values()))
+        pool = (Counting if corrupt == "references counted" else lab.BlockAllocator)(6, 2)
+        a, b, c = pool.allocate_many(3)
+        pool.free(b)  # free: [b], then the never used 3, 4, 5
+        lab.audit(pool)
+        if corrupt == "references counted":
+            pool.share(a)
+        elif corrupt == "free, listed nowhere":
+            pool.free_block_ids.remove(b)  # never handed out again
+        else:  # b or a in use listed too, block 3 taken: the count of the listed still agrees
+            pool.free_block_ids.append(b if corrupt == "listed free twice" else a)
+            pool.next_unused += 1
+        with pytest.raises(AssertionError, match=message):
+            lab.audit(pool)
+
+    @pytest.mark.parametrize("corrupt", [None, "kept in use", "kept and listed", "lost"])
+    def test_the_audit_counts_the_blocks_a_cache_keeps_as_free_and_checks_them(self, lab,
+                                                                              corrupt):
+        pool = keeping(lab, 6)
+        a, b = pool.allocate_many(2)
+        pool.free_blocks([a])  # kept aside (audit_kept), in neither list: free all the same
+        if corrupt == "kept in use":
+            pool.kept.append(b)
+        elif corrupt == "kept and listed":
+            pool.free_block_ids.append(a)
+            pool.next_unused += 1
+        elif corrupt == "lost":
+            pool.kept.clear()  # free, yet listed nowhere
+        if corrupt is None:
+            lab.audit(pool)
+            pool.free_blocks([b])
+            lab.check_invariants(pool, [])
+            assert pool.kept == [a, b]
+        else:
+            with pytest.raises(AssertionError, match="free list"):
+                lab.audit(pool)
+
+    def fuzz_with(self, lab, monkeypatch, seq_class, runs=10, pool_class=None):
+        """fuzz, every sequence of the run a seq_class, until it fails (seeds 0..runs - 1)."""
+        monkeypatch.setattr(lab.module, "Sequence", seq_class)
+        for seed in range(runs):
+            lab.fuzz((pool_class or lab.BlockAllocator)(10, 4), random.Random(seed), 300)
+
+    def test_the_oracle_finds_sequences_that_agree_with_themselves_but_not_the_model(
+            self, lab, monkeypatch):
+        class Shifted(lab.Sequence):  # stores and reads back token + 1: invariants hold
+            def __init__(self, seq_id, allocator, tokens=()):
+                super().__init__(seq_id, allocator, [token + 1 for token in tokens])
+
+            def append(self, token):
+                super().append(token + 1)
+
+            def extend(self, tokens):
+                super().extend([token + 1 for token in tokens])
+        with pytest.raises(AssertionError):
+            self.fuzz_with(lab, monkeypatch, Shifted, runs=1)
+
+    def test_the_atomicity_check_covers_the_live_sequences_not_only_the_pool(self, lab,
+                                                                           monkeypatch):
+        class Staging(lab.Sequence):  # a refused extend leaves its tokens staged on the sequence
+            def extend(self, tokens):
+                self.staged = list(tokens)
+                super().extend(self.staged)
+                del self.staged
+        with pytest.raises(AssertionError, match="atomicity"):
+            self.fuzz_with(lab, monkeypatch, Staging)
+
+    def test_the_copy_on_write_check_sees_a_write_into_a_block_held_outside_any_table(
+            self, lab, monkeypatch):
+        class Uncounted(lab.BlockAllocator):  # share() outside a table counts nothing (nor its
+            def __init__(self, *args):        # free): a sequence then writes that block in place
+                super().__init__(*args)
+                self.outside = []
+
+            def share(self, block):
+                self.outside.append(lab.check_block(self, block))
+                return block
+
+            def free(self, block):
+                if block in self.outside:
+                    self.outside.remove(block)
+                else:
+                    super().free(block)
+
+            def share_tail(self, block):
+                return self.share_blocks([lab.check_block(self, block)])[0]
+        with pytest.raises(AssertionError, match="copy-on-write"):
+            self.fuzz_with(lab, monkeypatch, lab.Sequence, pool_class=Uncounted)
+
+    def test_the_fuzz_frees_every_sequence_at_the_end_and_checks_for_a_leak(self, lab,
+                                                                           monkeypatch):
+        pool = lab.BlockAllocator(10, 4)
+        counts = lab.fuzz(pool, random.Random(0), 40)
+        assert sum(counts.values()) == 40 and pool.num_used == 0 and pool.num_free == 10
+        class Leaky(lab.Sequence):  # its free keeps a reference to its first block
+            def free(self):
+                if len(self.block_table) > 0:
+                    self.allocator.share(self.block_table[0])
+                super().free()
+        monkeypatch.setattr(lab.module, "Sequence", Leaky)
+        with pytest.raises(AssertionError):
+            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(0), 1)  # one create: freed at the end
+
+    def test_the_seed_decides_the_fuzzers_run(self, lab):
+        def run(seed):
+            pool = lab.BlockAllocator(10, 3)
+            counts = lab.fuzz(pool, random.Random(seed), 200)
+            return sorted(counts.items()), pool.free_block_ids, pool.kv_cache.slots
+        assert run(5) == run(5)
+        assert len({repr(run(seed)) for seed in range(4)}) == 4
+
+    def test_the_fuzz_keeps_at_most_max_live_sequences_live(self, lab, monkeypatch):
+        live = []
+        class Counted(lab.Sequence):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                live.append(self)
+                assert sum(not seq.is_freed for seq in live) <= 3
+        monkeypatch.setattr(lab.module, "Sequence", Counted)
+        lab.fuzz(lab.BlockAllocator(40, 2), random.Random(1), 200, max_live=3)
+        assert len(live) > 10
+
+    def test_commit_bug_replaces_the_line_wherever_it_occurs(self, lab, monkeypatch):
+        monkeypatch.setattr(lab.module, "Twice", Twice, raising=False)  # the lab finds it so
+        broken = lab.commit_bug(Twice.step, "x = x + 1", "x = x * 10")
+        assert issubclass(broken, Twice) and broken is not Twice
+        assert broken().step(1) == 100 and Twice().step(1) == 2  # both lines; Twice unchanged
+        with pytest.raises(ValueError):
+            lab.commit_bug(Twice.step, "x = x + 2", "pass")
+
+    def test_the_sharing_scenario_names_the_step_that_raised_as_the_one_that_failed(self, lab):
+        class Refusing(lab.Sequence):  # its extend fails inside the step, before any check
+            def extend(self, tokens):
+                raise lab.OutOfBlocksError("refused")
+        done = []
+        with pytest.raises(lab.OutOfBlocksError):
+            lab.sharing_scenario(4, lab.BlockAllocator, Refusing, done)
+        assert done == ["a", "a.extend"]
+        done = []
+        assert "size 5" in lab.sharing_scenario(5, done=done)
+        assert done == ["a", "a.extend", "b", "b.append", "a.free", "c"]
+
+    @pytest.mark.parametrize("block_size, sizes, size, ops", [(16, "1, 3, 16", 16, 300),
+                                                               (2, "1, 2, 3", 3, 300),
+                                                               (3, "1, 3", 3, 200)])
+    def test_the_checks_section_prints_each_checks_line(self, lab, capsys, block_size, sizes,
+                                                        size, ops):
+        lab.run_checks(block_size, 7)
+        assert capsys.readouterr().out.splitlines() == ["== correctness checks =="] + [
+            f"{label:<78} ok" for label in (
+                f"block boundary: a new block exactly when the last is full (sizes {sizes})",
+                f"sharing: counted once, copied before a write, kept while held (size {size})",
+                f"random operations vs a plain-list model ({ops}), refused ones inert")]
 
 
 # ---------------------------------------------------------------------------------------
