@@ -878,6 +878,82 @@ class TestPart5Demos:
         pool = lab.BlockAllocator(10, 4)
         assert lab.admit_until_full(lambda i: lab.Sequence(i, pool, range(9))) == 3
 
+    def test_reserve_max_len_writes_each_block_from_its_start_and_leaves_the_rest_unwritten(
+            self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        blocks = lab.reserve_max_len(pool, list(range(1, 7)), 16)
+        assert [pool.read(block) for block in blocks] == [[1, 2, 3, 4], [5, 6, None, None],
+                                                          [None] * 4, [None] * 4]
+
+    def test_written_share_is_the_share_of_slots_in_use_that_hold_a_token(self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        lab.reserve_max_len(pool, list(range(6)), 16)
+        assert lab.written_share(pool) == 6 / 16
+        lab.Sequence("s", pool, range(8))  # two full blocks
+        assert lab.written_share(pool) == 14 / 24
+        other = lab.BlockAllocator(4, 4)
+        used, freed = other.allocate_many(2)
+        other.kv_cache.write(used, 0, [1])
+        other.kv_cache.write(freed, 0, [1, 2, 3, 4])
+        other.free(freed)  # its slots stay written, but it is not in use
+        assert lab.written_share(other) == 1 / 4
+
+    def test_the_memory_demo_prints_the_written_share_and_the_blocks_left_free(self, lab, capsys):
+        lab.demo_memory(16, None)
+        out = capsys.readouterr().out
+        assert re.search(r"naive 37\.5% \(62\.5%.*paged 100\.0%", out)  # 768 of 2048; 48 full
+        assert re.search(r"naive 0, paged 16\b", out)  # 4096 - 32 x 128; 4096 - 85 x 48
+
+    @pytest.fixture
+    def sequences(self, lab, monkeypatch):
+        """monkeypatch.setattr on the lab's Sequence name: every sequence a demo makes is one."""
+        return lambda seq_class: monkeypatch.setattr(lab.module, "Sequence", seq_class)
+
+    def test_the_sharing_demo_reports_a_write_in_place(self, lab, capsys, sequences):
+        class InPlace(lab.Sequence):  # writes a shared, partly full last block in place
+            def append(self, token):
+                pool, offset = self.allocator, len(self) % self.allocator.block_size
+                if offset > 0 and pool.refcount(self.block_table[-1]) > 1:
+                    pool.kv_cache.slots[self.block_table[-1] * pool.block_size + offset] = token
+                    self.tokens.append(token)  # the invariants still hold: a reads its own
+                else:
+                    super().append(token)
+        sequences(InPlace)
+        lab.demo_sharing(16, None)
+        assert "copy-on-write   : divergence WROTE IN PLACE;" in capsys.readouterr().out
+
+    def test_the_sharing_demo_checks_the_invariants_after_the_copy(self, lab, sequences):
+        class Leaky(lab.Sequence):  # its copy-on-write keeps its reference to the shared block
+            def append(self, token):
+                last, pool = self.block_table[-1], self.allocator
+                shared = len(self) % pool.block_size > 0 and pool.refcount(last) > 1
+                super().append(token)
+                if shared:
+                    pool.share(last)
+        sequences(Leaky)
+        with pytest.raises(AssertionError, match="ref-count"):
+            lab.demo_sharing(16, None)
+
+    def test_the_system_prompt_requests_are_checked_against_the_invariants(self, lab,
+                                                                          sequences):
+        class Leaky(lab.Sequence):  # each extend keeps one more reference to its first block
+            def extend(self, tokens):
+                super().extend(tokens)
+                self.allocator.share(self.block_table[0])
+        sequences(Leaky)
+        with pytest.raises(AssertionError, match="ref-count"):
+            lab.system_prompt_requests(lab.BlockAllocator(4096, 16), True, 1)
+
+    @pytest.mark.parametrize("block_size", [16, 3])
+    def test_the_sharing_demo_shows_the_block_maps_before_and_after_the_copy(self, lab, capsys,
+                                                                            block_size):
+        lab.demo_sharing(block_size, None)  # a = [0, 1] in a fresh pool; b copies 1 to 2
+        lines = capsys.readouterr().out.splitlines()
+        before = ["    a   [  0:2][  1:2]", "    b   [  0:2][  1:2]"]
+        after = ["    a   [  0:2][  1:1]", "    b   [  0:2][  2:1]"]
+        assert lines[-2:] == after and lines.index(before[0]) + 1 == lines.index(before[1])
+        assert lines.index(before[1]) < len(lines) - 2
+
 
 # ---------------------------------------------------------------------------------------
 # Optional steps: the extensions
