@@ -552,6 +552,34 @@ class TestPart3Sharing:
         refused(lambda: b.append(1), lab.OutOfBlocksError, pool, [a, b])
         refused(lambda: b.extend([1, 2]), lab.OutOfBlocksError, pool, [a, b])
 
+    @pytest.mark.parametrize("num_tokens, tails", [(18, 1), (16, 0), (0, 0), (20, 1), (5, 1)])
+    def test_share_prefix_gets_a_partly_covered_last_block_from_the_pools_share_tail(
+            self, lab, num_tokens, tails):
+        class Copying(lab.BlockAllocator):  # a prefix cache's share_tail gives a copy
+            asked = []
+
+            def share_tail(self, block):
+                self.asked.append(block)
+                return self.copy_block(block)
+        pool = Copying(8, 16)
+        src = lab.Sequence("src", pool, range(20))
+        x = lab.share_prefix(src, "x", num_tokens)
+        full = num_tokens // 16
+        assert pool.asked == src.block_table[full:full + tails] and pool.num_copies == tails
+        assert list(x.block_table[:full]) == list(src.block_table[:full])
+        assert len(x.block_table) == full + tails and x.read() == list(range(num_tokens))
+        assert [pool.refcount(block) for block in src.block_table] == [
+            2 if k < full else 1 for k in range(2)]
+
+    def test_a_share_tail_that_does_not_fit_refuses_the_share_whole(self, lab):
+        class Copying(lab.BlockAllocator):
+            def share_tail(self, block):
+                return self.copy_block(block)
+        pool = Copying(2, 4)
+        src = lab.Sequence("src", pool, range(6))
+        refused(lambda: lab.share_prefix(src, "x", 5), lab.OutOfBlocksError, pool, [src])
+        assert list(lab.share_prefix(src, "y", 4).block_table) == [src.block_table[0]]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 4: checks, the randomized oracle, the pitfalls
@@ -1101,6 +1129,116 @@ class TestPart6aHashChain:
                 lab.PrefixCachingAllocator(4, 4, **bad)
         assert lab.PrefixCachingAllocator(4, 4, lab.LRU()).hit_rate == 0.0
 
+    def test_the_pools_fields_pickle_as_the_fuzz_snapshots_them(self, lab):
+        pool = caching(lab, 8, 2)
+        lab.Sequence("a", pool, range(7)).free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert fields["index"].block_of == pool.index.block_of and fields["ref_cnt"] == {}
+
+    def test_the_hash_index_tells_its_policy_each_insert_add_remove_and_victim(self, lab):
+        events = []
+        class Told(lab.LRU):  # LRU, recording each event (a list of blocks: one a block)
+            def insert(self, block, token_ids):
+                events.append(("insert", block, tuple(token_ids)))
+                super().insert(block, token_ids)
+
+            def add(self, blocks, now):
+                blocks = list(blocks)
+                events.extend(("add", block, now) for block in blocks)
+                super().add(blocks, now)
+
+            def remove(self, blocks):
+                blocks = list(blocks)
+                events.extend(("remove", block) for block in blocks)
+                super().remove(blocks)
+
+            def victim(self, now):
+                block = super().victim(now)
+                events.append(("victim", block, now))
+                return block
+        pool = lab.PrefixCachingAllocator(4, 2, Told())
+        lab.Sequence("a", pool, [1, 2, 3, 4, 5]).free()
+        assert events == [("insert", 0, (1, 2)), ("insert", 1, (3, 4)),  # block 2: partial
+                          ("add", 1, 1), ("add", 0, 1)]  # tail first; now: prompts admitted
+        del events[:]
+        lab.Sequence("b", pool, [1, 2, 3, 4, 9, 9, 9]).free()  # 2 hits, then [9 9] in block 2
+        assert events == [("remove", 0), ("remove", 1), ("insert", 2, (9, 9)),
+                          ("add", 2, 2), ("add", 1, 2), ("add", 0, 2)]
+        del events[:]
+        c = lab.Sequence("c", pool, [7, 7, 7, 7, 7])  # block 3 free, then 2 victims: 2, 1
+        assert events == [("victim", 2, 3), ("victim", 1, 3), ("insert", 2, (7, 7)),
+                          ("insert", 1, (7, 7))] and list(c.block_table) == [2, 1, 3]
+        assert (pool.stats.prompts, pool.stats.evictions, pool.stats.evicted) == (3, 1, 2)
+
+    @pytest.fixture
+    def told(self, lab, monkeypatch):
+        """An index "told" in INDEXES: the hash chain, recording each event the pool sends it;
+        its evict frees one block more than asked while it can."""
+        events = []
+        class Told(lab.HashIndex):
+            def match(self, token_ids):
+                events.append(("match", list(token_ids)))
+                return super().match(token_ids)
+
+            def lock(self, blocks, revived, now):
+                events.append(("lock", list(blocks), list(revived), now))
+                super().lock(blocks, revived, now)
+
+            def insert(self, table, tokens, first, last, now, decode):
+                events.append(("insert", list(table[first:last]), first, last, now, decode))
+                return super().insert(table, tokens, first, last, now, decode)
+
+            def release(self, blocks, free, now):
+                events.append(("release", list(blocks), list(free), now))
+                return super().release(blocks, free, now)
+
+            def evict(self, n, now):
+                events.append(("evict", n, now))
+                return super().evict(min(n + 1, len(self)), now)
+
+            def check(self, in_use):
+                events.append(("check",))
+                return super().check(in_use)
+        monkeypatch.setitem(lab.INDEXES, "told", Told)
+        return events
+
+    def test_the_pool_tells_its_index_of_each_cache_event_once(self, lab, told):
+        pool = caching(lab, 5, 2, index="told")
+        a = lab.Sequence("a", pool, [1, 2, 3])
+        assert told in ([("match", [1, 2, 3]), ("lock", [], [], 1),
+                         ("insert", [0], 0, 1, 1, False)],  # the partial block, or not
+                        [("match", [1, 2, 3]), ("lock", [], [], 1),
+                         ("insert", [0, 1], 0, 2, 1, False)])
+        del told[:]
+        a.append(4)  # fills block 1: a decode step
+        a.free()
+        released = [event for event in told if event[0] == "release"]  # one call or a block each
+        assert told[0] == ("insert", [1], 1, 2, 1, True) and len(told) == 1 + len(released)
+        assert [block for event in released for block in event[1]] == [1, 0]  # tail first
+        assert [block for event in released for block in event[2]] == [1, 0]
+        assert {event[3] for event in released} == {1}
+        del told[:]
+        lab.audit(pool)
+        assert told == [("check",)]
+        del told[:]
+        b = lab.Sequence("b", pool, [1, 2, 7])  # a hit: block 0 revived
+        assert told[:2] == [("match", [1, 2, 7]), ("lock", [0], [0], 2)]
+        del told[:]
+        refused(lambda: lab.Sequence("c", pool, [5, 6, 7, 8, 9, 9, 9]), lab.OutOfBlocksError,
+                pool, [b])
+        assert told == [("match", [5, 6, 7, 8, 9, 9, 9])]  # refused: no lock, no eviction
+
+    def test_the_pool_evicts_the_shortfall_and_counts_what_its_index_frees_beyond_it(
+            self, lab, told):
+        pool = caching(lab, 4, 2, index="told")
+        lab.Sequence("a", pool, range(6)).free()  # 3 cached blocks, 1 never used
+        del told[:]
+        seq = lab.Sequence("b", pool, range(10, 14))  # 2 blocks: 1 free, 1 short
+        assert [event for event in told if event[0] == "evict"] == [("evict", 1, 2)]
+        assert (pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (1, 2, 1)
+        assert pool.num_free == 2 and pool.num_cached == 1 and seq.read() == list(range(10, 14))
+        lab.check_invariants(pool, [seq])
+
 
 def tree_shape(node):
     """{a child's tokens (a tuple): its shape}, from node down."""
@@ -1295,6 +1433,71 @@ class TestPart6bRadixTree:
         heap.discard(3)
         assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
 
+    @pytest.mark.parametrize("prompt, exception", [
+        ([True, 2, 3], TypeError),  # True == 1: a match by == alone would hit block [1 2]
+        ([1, 2, -1], ValueError), ([1, 2, "a"], TypeError), ([1, 2.0, 3], TypeError)])
+    def test_the_tree_refuses_bad_token_ids_in_or_after_a_cached_prefix(self, lab, prompt,
+                                                                        exception):
+        pool = caching(lab, 8, 2, index="radix")
+        lab.Sequence("a", pool, [1, 2, 3]).free()  # [1 2] stays cached
+        refused(lambda: lab.Sequence("b", pool, prompt), exception, pool)
+        assert tree_shape(pool.index.root) == {(1, 2): {}}
+
+    def test_a_split_parent_takes_its_childs_last_access(self, lab):
+        pool = caching(lab, 6, 1, index="radix")
+        tree = pool.index
+        lab.Sequence("a", pool, [1, 2, 3, 4]).free()
+        b = lab.Sequence("b", pool, [1, 2])  # the match ends inside [1 2 3 4]: it splits
+        head = tree.node_of[b.block_table[-1]]
+        child = head.children[(3,)]
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {}}} and child.parent is head
+        assert head.last_access == child.last_access == tree.clock > 0
+        x = lab.share_prefix(b, "x", 1)  # uses [1] only
+        b.free()  # [2] is nobody's now: the node splits where x's use ends
+        head = tree.node_of[x.block_table[0]]
+        assert tree_shape(tree.root) == {(1,): {(2,): {(3, 4): {}}}}
+        assert head.last_access == head.children[(2,)].last_access == tree.clock
+
+    def test_a_duplicate_splits_a_node_only_where_it_ends_inside_it(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
+        tree = pool.index
+        a = lab.Sequence("a", pool, [1, 2, 3, 4])  # one node, blocks 0 and 1
+        b = lab.Sequence("b", pool, [1])
+        b.append(2)  # a duplicate of block 0, ending inside the node: it splits there
+        assert list(b.block_table) == [0] and tree_shape(tree.root) == {(1, 2): {(3, 4): {}}}
+        b.extend([3, 4])  # a duplicate of block 1, ending at its node's end: no split
+        assert list(b.block_table) == [0, 1] and tree_shape(tree.root) == {(1, 2): {(3, 4): {}}}
+        b.extend([5, 6])
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
+        c = lab.Sequence("c", pool, [1])
+        c.append(2)  # a duplicate of a whole node: no split
+        assert list(c.block_table) == [0] and tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
+        assert pool.num_used == 3 and len(tree) == 0
+        lab.check_invariants(pool, [a, b, c])
+        d = lab.share_prefix(a, "d", 2)  # d's table joins a's node after its first block
+        d.extend([3, 4])  # a duplicate of block 1, inside the node it joins: no split
+        assert list(d.block_table) == [0, 1] and tree_shape(tree.root) == {
+            (1, 2): {(3, 4): {(5, 6): {}}}} and pool.num_used == 3
+        pool = caching(lab, 8, 2, index="radix")
+        a = lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6])
+        d = lab.share_prefix(a, "d", 2)
+        d.extend([3, 4])  # duplicates ending inside a's node, after where d joined: a split
+        assert list(d.block_table) == [0, 1] and tree_shape(pool.index.root) == {
+            (1, 2, 3, 4): {(5, 6): {}}}
+        d.extend([9, 9])  # at the end of a node: a child of its own
+        assert tree_shape(pool.index.root) == {(1, 2, 3, 4): {(5, 6): {}, (9, 9): {}}}
+        lab.check_invariants(pool, [a, d])
+
+    @pytest.mark.parametrize("policy", ["lru", "fifo"])
+    def test_the_trees_fields_pickle_as_the_fuzz_snapshots_them(self, lab, policy):
+        pool = caching(lab, 8, 2, policy, "radix")
+        a = lab.Sequence("a", pool, range(7))
+        lab.share_prefix(a, "x", 3)
+        a.free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert tree_shape(fields["index"].root) == tree_shape(pool.index.root)
+        assert fields["index"].policy == policy
+
     def test_a_radix_tree_under_fifo_evicts_the_leaf_made_first(self, lab):
         for policy, kept in (("lru", [0]), ("fifo", [100])):
             pool = caching(lab, 4, 2, policy, "radix")
@@ -1315,6 +1518,14 @@ class TestPart6cPolicies:
         lab.fuzz(pool, random.Random(seed), 500)
         pool.allocate_many(12)
         assert pool.num_cached == 0 and pool.index.block_of == {}
+
+    @pytest.mark.parametrize("policy", ["fifo", "s3fifo"])
+    def test_a_policys_fields_pickle_as_the_fuzz_snapshots_them(self, lab, policy):
+        pool = caching(lab, 4, 2, policy)
+        for start in (0, 10, 0, 20):
+            lab.Sequence(start, pool, range(start, start + 4)).free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert len(fields["index"].policy) == len(pool.index.policy) > 0
 
     def test_fifo_evicts_the_block_cached_first_whatever_its_hits(self, lab):
         fifo = lab.FIFO()
