@@ -12,6 +12,7 @@ import copy
 import gc
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -1481,7 +1482,11 @@ class TestPart6bRadixTree:
         pool = caching(lab, 8, 2, index="radix")
         a = lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6])
         d = lab.share_prefix(a, "d", 2)
-        d.extend([3, 4])  # duplicates ending inside a's node, after where d joined: a split
+        clock = pool.index.clock
+        d.extend([3])  # fills no block: nothing to insert, no touch, no split
+        assert tree_shape(pool.index.root) == {(1, 2, 3, 4, 5, 6): {}}
+        assert pool.index.clock == clock
+        d.extend([4])  # duplicates ending inside a's node, after where d joined: a split
         assert list(d.block_table) == [0, 1] and tree_shape(pool.index.root) == {
             (1, 2, 3, 4): {(5, 6): {}}}
         d.extend([9, 9])  # at the end of a node: a child of its own
@@ -2267,6 +2272,32 @@ def step_outcomes(step_runs):
     return outcomes, folder
 
 
+def num_free_by_num_used(pool):
+    return pool.num_blocks - pool.num_used
+
+
+def num_free_by_counting(pool):  # given back, never used, kept by a cache (Part 6)
+    return len(pool.free_block_ids) + pool.num_blocks - pool.next_unused + len(pool.audit_kept())
+
+
+NUM_FREE_WAYS = {"num_blocks - num_used": num_free_by_num_used,
+                 "the free blocks counted": num_free_by_counting}  # both correct: Part 1's rule
+
+
+def with_num_free(source, way):
+    """source with BlockAllocator.num_free's body (its docstring kept) returning what way does."""
+    cls = next(node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == "BlockAllocator")
+    method = next(node for node in cls.body
+                  if isinstance(node, ast.FunctionDef) and node.name == "num_free")
+    body = method.body[1:] if ast.get_docstring(method) is not None else method.body
+    code = ast.unparse(ast.parse(inspect.getsource(way)).body[0].body[-1])
+    lines = source.splitlines(keepends=True)
+    indent = " " * body[0].col_offset
+    lines[body[0].lineno - 1:method.end_lineno] = [indent + code.replace("pool.", "self.") + "\n"]
+    return "".join(lines)
+
+
 class TestTheLabsShape:
 
     def test_parts_1_to_3_use_no_name_defined_in_a_later_part(self, lab):
@@ -2336,27 +2367,37 @@ class TestTheLabsShape:
         assert [*bodies.values()].count(["raise NotImplementedError"]) == inside.count(
             ["raise NotImplementedError"])
 
-    def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(self, tmp_path):
-        path = tmp_path / "mine.py"
-        source = LAB_FILE.read_text()
-        line = "return self.num_blocks - self.num_used"
-        assert line in source
-        path.write_text(source.replace(line, "return self.num_blocks - len(self.ref_cnt)"))
-        run = subprocess.run([sys.executable, str(path), "pitfalls"], capture_output=True,
-                             text=True, check=False)
-        assert run.stdout.count("caught after") == 4 and "NOT CAUGHT" not in run.stdout
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)
+    def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(
+            self, lab, capsys, monkeypatch, way):
+        monkeypatch.setattr(lab.BlockAllocator, "num_free", property(NUM_FREE_WAYS[way]))
+        lab.demo_pitfalls(16, None)
+        lab.run_checks(16, None)
+        out = capsys.readouterr().out
+        assert out.count("caught after") == 4 and "NOT CAUGHT" not in out and " ok" in out
+        for index, policy in (("hash", "lru"), ("hash", "s3fifo"), ("radix", "lru")):
+            pool = lab.PrefixCachingAllocator(12, 2, policy, index)  # blocks kept: in no list
+            lab.fuzz(pool, random.Random(1), 300)
+            assert pool.num_free == 12
 
     @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's README")
-    def test_the_break_it_answers_are_what_the_checks_print(self, lab, tmp_path):
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)
+    def test_the_break_it_answers_are_what_the_checks_print(self, lab, tmp_path, way):
         readme = (HERE / "README.md").read_text()
-        tasks = re.findall(r"replace `(.+?)` with `(.+?)`.*?\n.*?stops with `(.+?)`", readme)
-        assert len(tasks) == 4 and [(line, bug) for line, bug, _ in tasks] == [
+        tasks = re.findall(r"replace `(.+?)` with `(.+?)`.*?\n.*?stops with `(.+?)`(.*)", readme)
+        assert len(tasks) == 4 and [(line, bug) for line, bug, _, _ in tasks] == [
             (line, bug) for _, _, line, bug in lab.PITFALLS]
-        source = LAB_FILE.read_text()
-        for i, (line, bug, message) in enumerate(tasks):
+        source = with_num_free(LAB_FILE.read_text(), NUM_FREE_WAYS[way])
+        for i, (line, bug, message, rest) in enumerate(tasks):
+            choice = re.match(r", N being (\d+) if your `num_free` is `num_blocks - num_used`, "
+                              r"(\d+) if it counts", rest)  # the value a learner's choice sets
+            assert ("N" in re.findall(r"\b[A-Z]\b", message)) == (choice is not None)
+            if choice is not None:
+                message = re.sub(r"\bN\b", choice.group(1 + list(NUM_FREE_WAYS).index(way)),
+                                 message)
             path = tmp_path / f"bug{i}.py"
             path.write_text(re.sub(rf"^(\s*){re.escape(line)}", lambda m: m.group(1) + bug,
                                    source, count=1, flags=re.MULTILINE))  # the code line
             run = subprocess.run([sys.executable, str(path), "checks"], capture_output=True,
                                  text=True, check=False)
-            assert run.returncode == 1 and run.stderr.strip().endswith(message)
+            assert run.returncode == 1 and run.stderr.strip().endswith(message), run.stderr
