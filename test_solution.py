@@ -1570,6 +1570,53 @@ class TestPart6cPolicies:
         assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
 
 
+    def test_fifo_orders_by_insertion_not_by_block_id_or_by_when_a_block_was_freed(self, lab):
+        fifo = lab.FIFO()
+        for block in (3, 1, 2, 0):
+            fifo.insert(block, [block])
+        fifo.add([0, 2], 0)
+        fifo.add([1, 3], 1)
+        assert [fifo.victim(2) for _ in range(4)] == [3, 1, 2, 0]
+
+    def cached(self, policy, block, tokens):
+        policy.insert(block, tokens)
+        policy.add([block], 0)
+
+    def to_main(self, policy, block, tokens):
+        """block, cached with tokens a victim left in the ghost queue: it starts in main."""
+        self.cached(policy, block + 1000, tokens)
+        assert policy.victim(0) == block + 1000
+        self.cached(policy, block, tokens)
+        assert block in policy.main
+
+    def test_s3fifo_takes_the_victim_from_small_while_it_holds_10_percent(self, lab):
+        policy = lab.S3FIFO()
+        for block in range(9):
+            self.to_main(policy, block, [block])
+        self.cached(policy, 50, [50])  # 1 of 10 in small: 10%
+        assert policy.victim(0) == 50
+        self.to_main(policy, 9, [9])
+        self.cached(policy, 51, [51])  # 1 of 11 in small: below 10%, main's head goes
+        assert policy.victim(0) == 0 and 51 in policy.small
+
+    def test_s3fifo_a_block_hit_once_while_new_still_leaves_from_small(self, lab):
+        policy = lab.S3FIFO()
+        self.cached(policy, 0, [0])
+        policy.remove([0])  # in use again once: 1 hit
+        policy.add([0], 0)
+        self.cached(policy, 1, [1])
+        assert policy.victim(0) == 0 and (0,) in policy.ghost and 1 in policy.small
+
+    def test_s3fifo_gives_a_main_block_hit_since_another_round(self, lab):
+        policy = lab.S3FIFO()
+        self.to_main(policy, 5, [5])
+        self.to_main(policy, 6, [6])
+        policy.remove([5])  # a hit: 5 is back at main's tail, with 1
+        policy.add([5], 0)
+        self.to_main(policy, 7, [7])
+        assert list(policy.main) == [6, 5, 7]
+        assert [policy.victim(0) for _ in range(3)] == [6, 7, 5]  # 5 went round once
+
 class TestPart6CacheSection:  # the cache section is written for you: it runs once 6c is done
 
     def test_vllms_worked_example_step_by_step(self, lab, capsys):
