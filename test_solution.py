@@ -361,7 +361,7 @@ class TestPart2Sequences:
         return Reporting(num_blocks, block_size)
 
     @pytest.mark.parametrize("block_size", [1, 3])
-    def test_append_and_extend_report_each_block_they_fill_once_and_written(self, lab,
+    def test_append_and_extend_report_the_blocks_they_fill_in_one_call_once_written(self, lab,
                                                                            block_size):
         pool = self.reporting(lab, 16, block_size)  # a prefix cache remembers these (Part 6)
         seq = lab.Sequence("s", pool, range(4))
@@ -370,8 +370,8 @@ class TestPart2Sequences:
                 ("extend", lambda: seq.extend([]))]:
             before, pool.reports[:] = len(seq) // block_size, []
             call()
-            filled = list(range(before, len(seq) // block_size))
-            assert [k for full, _, _ in pool.reports for k in full] == filled, what
+            filled = list(range(before, len(seq) // block_size))  # in one call: a radix node
+            assert [full for full, _, _ in pool.reports if full] == ([filled] if filled else [])
             assert all(written and decode == (what == "append") for full, decode, written
                        in pool.reports if full), what
 
@@ -402,13 +402,40 @@ class TestPart2Sequences:
         pool.kv_cache.slots[block * 2 + offset] = 42  # what the KV cache holds, not the list
         assert seq.read() == [5, 6, 42] and seq.tokens == [5, 6, 7]
 
-    def test_free_gives_the_blocks_back_tail_first(self, lab):
-        pool = lab.BlockAllocator(4, 2)
+    def test_free_gives_the_table_back_tail_first_in_one_call(self, lab):
+        class Freeing(lab.BlockAllocator):  # a prefix cache hears one release a table
+            calls = []
+
+            def free_blocks(self, blocks):
+                blocks = list(blocks)
+                self.calls.append(blocks)
+                super().free_blocks(blocks)
+        pool = Freeing(4, 2)
         seq = lab.Sequence("s", pool, range(5))
         table = list(seq.block_table)
         seq.free()
-        assert pool.free_block_ids == table[::-1] and pool.ref_cnt == {}
+        assert pool.calls == [table[::-1]] and pool.ref_cnt == {}
+        assert pool.free_block_ids == table[::-1]
         assert pool.allocate() == table[0]  # last in, first out: the head is reused first
+
+    def test_a_sequence_made_with_no_tokens_asks_its_pool_nothing(self, lab):
+        class Watched(lab.BlockAllocator):  # share_prefix makes one, then may be refused
+            calls = []
+
+            def share_cached_prefix(self, token_ids):
+                self.calls.append("share_cached_prefix")
+                return super().share_cached_prefix(token_ids)
+
+            def cache_blocks(self, *args, **kwargs):
+                self.calls.append("cache_blocks")
+
+            def allocate_many(self, n):
+                self.calls.append("allocate_many")
+                return super().allocate_many(n)
+        pool = Watched(4, 2)
+        seq = lab.Sequence("s", pool)
+        seq2 = lab.Sequence("t", pool, [])
+        assert pool.calls == [] and (len(seq), len(seq2.block_table), pool.num_used) == (0, 0, 0)
 
     @pytest.mark.parametrize("tokens", [3, 5])
     def test_append_copies_a_last_block_another_holder_shares_and_drops_its_reference(
