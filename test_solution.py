@@ -361,8 +361,8 @@ class TestPart2Sequences:
         return Reporting(num_blocks, block_size)
 
     @pytest.mark.parametrize("block_size", [1, 3])
-    def test_append_and_extend_report_the_blocks_they_fill_in_one_call_once_written(self, lab,
-                                                                           block_size):
+    def test_append_and_extend_report_the_blocks_they_fill_in_one_call_once_written(
+            self, lab, block_size):
         pool = self.reporting(lab, 16, block_size)  # a prefix cache remembers these (Part 6)
         seq = lab.Sequence("s", pool, range(4))
         for what, call in [("append", lambda: seq.append(7))] * (2 * block_size + 1) + [
