@@ -462,7 +462,8 @@ class TestPart2Sequences:
         held = pool.read(last)
         seq.extend(range(50, 50 + extra))
         assert pool.read(last) == held and pool.refcount(last) == 1 and pool.num_copies == 1
-        assert last not in seq.block_table and seq.read() == [*range(tokens), *range(50, 50 + extra)]
+        assert last not in seq.block_table
+        assert seq.read() == [*range(tokens), *range(50, 50 + extra)]
         assert pool.num_used == 1 + len(seq.block_table)
 
     def test_a_full_shared_last_block_or_an_unshared_one_is_never_copied(self, lab):
@@ -1497,7 +1498,8 @@ class TestPart6bRadixTree:
         assert tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
         c = lab.Sequence("c", pool, [1])
         c.append(2)  # a duplicate of a whole node: no split
-        assert list(c.block_table) == [0] and tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
+        assert list(c.block_table) == [0]
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
         assert pool.num_used == 3 and len(tree) == 0
         lab.check_invariants(pool, [a, b, c])
         d = lab.share_prefix(a, "d", 2)  # d's table joins a's node after its first block
