@@ -831,7 +831,7 @@ class TestPart4Checks:
                 super().free()
         monkeypatch.setattr(lab.module, "Sequence", Leaky)
         with pytest.raises(AssertionError):
-            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(0), 1)  # one create: freed at the end
+            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(0), 1)  # a create, freed at the end
 
     def test_the_seed_decides_the_fuzzers_run(self, lab):
         def run(seed):
