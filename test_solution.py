@@ -475,6 +475,14 @@ class TestPart2Sequences:
         seq.append(8)
         seq.extend([9])
         assert pool.num_copies == 0 and len(seq.block_table) == 3 and seq.read() == list(range(10))
+        pool.share(seq.block_table[-1])  # shared mid-block: extending by nothing writes nothing
+        seq.extend([])
+        assert pool.num_copies == 0 and pool.refcount(seq.block_table[-1]) == 2
+        pool.free(seq.block_table[-1])
+        seq.extend(range(10, 12))
+        pool.share(seq.block_table[-1])  # full and shared: extending takes a new block, no copy
+        seq.extend([12, 13])
+        assert pool.num_copies == 0 and seq.read() == list(range(14)) and len(seq.block_table) == 4
 
     def test_an_extend_that_needs_a_copy_and_a_block_is_refused_whole_when_one_is_free(self, lab):
         pool = lab.BlockAllocator(4, 4)
@@ -692,8 +700,16 @@ class TestPart4Checks:
             self, lab, monkeypatch):
         _, method, line, bug = lab.PITFALLS[2]
         monkeypatch.setattr(lab.module, "Sequence", lab.commit_bug(method, line, bug))
-        with pytest.raises(AssertionError, match="block count: sequence 'prompt' holds 2 blocks"):
+        with pytest.raises(AssertionError, match="block count: sequence 'prompt' holds 2 blocks "
+                                                 "for 3 tokens, needs 1"):
             lab.check_block_boundary([3])
+        with pytest.raises(AssertionError, match="holds 2 blocks for 1 token, needs 1"):
+            lab.check_block_boundary([1])
+
+    def test_plural_counts_one_thing_and_many(self, lab):
+        assert [lab.plural(n, "block") for n in (0, 1, 2)] == ["0 blocks", "1 block", "2 blocks"]
+        assert lab.plural(1, "copy", "copies") == "1 copy"
+        assert lab.plural(3, "copy", "copies") == "3 copies"
 
     def test_a_block_map_shows_each_table_as_block_and_ref_count_cells(self, lab):
         pool = lab.BlockAllocator(4, 2)
