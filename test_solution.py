@@ -1172,6 +1172,43 @@ class TestPart6aHashChain:
                 lab.PrefixCachingAllocator(4, 4, **bad)
         assert lab.PrefixCachingAllocator(4, 4, lab.LRU()).hit_rate == 0.0
 
+    def test_a_block_a_decode_step_fills_chains_from_the_block_before(self, lab):
+        pool = caching(lab, 8, 2)
+        a = lab.Sequence("a", pool, [1, 2, 3])
+        a.append(4)  # block 1, [3 4], after [1 2]
+        b = lab.Sequence("b", pool, [3, 4, 5])  # [3 4] first: another history, no hit
+        c = lab.Sequence("c", pool, [1, 2, 3, 4, 5])
+        assert pool.hits == 2 and list(c.block_table[:2]) == list(a.block_table)
+        assert b.block_table[0] not in a.block_table
+
+    def test_the_pool_swaps_in_a_block_its_index_holds_already_and_frees_its_own(
+            self, lab, monkeypatch):
+        class Dedup(lab.HashIndex):  # returns (k, its block) for a block it holds already
+            def insert(self, table, tokens, first, last, now, decode):
+                dups, size = [], self.block_size
+                parent = self.block_hash[table[first - 1]] if first > 0 else None
+                for k in range(first, min(last, len(tokens) // size)):
+                    parent = lab.hash_block_tokens(parent, tokens[k * size:(k + 1) * size])
+                    block = self.block_of.get(parent, table[k])
+                    if block != table[k]:
+                        dups.append((k, block))
+                        if block in self.policy:
+                            self.policy.remove([block])
+                super().insert(table, tokens, first, last, now, decode)
+                return dups
+        monkeypatch.setitem(lab.INDEXES, "dedup", Dedup)
+        pool = caching(lab, 6, 2, index="dedup")
+        a, b = lab.Sequence("a", pool, [1]), lab.Sequence("b", pool, [1])
+        a.append(2)
+        b.append(2)  # block 1 holds what block 0 does: b takes 0 and frees 1
+        assert list(b.block_table) == [0] and pool.refcount(0) == 2 and pool.refcount(1) == 0
+        assert pool.num_used == 1 and b.read() == [1, 2]
+        lab.check_invariants(pool, [a, b])
+        a.free()
+        x = lab.Sequence("x", pool, [9, 9])
+        assert b.read() == [1, 2] and pool.refcount(0) == 1
+        lab.check_invariants(pool, [b, x])
+
     def test_the_pools_fields_pickle_as_the_fuzz_snapshots_them(self, lab):
         pool = caching(lab, 8, 2)
         lab.Sequence("a", pool, range(7)).free()
