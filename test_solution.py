@@ -13,6 +13,7 @@ import copy
 import gc
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -67,6 +68,32 @@ def refused(call, exception, pool, sequences=()):
     with pytest.raises(exception):
         call()
     assert state(pool, sequences) == before
+
+
+def keeping(lab, num_blocks, block_size=2):
+    """A pool that keeps each block its free_blocks frees aside (kept), in neither free_block_ids
+    nor next_unused.., as a prefix cache keeps its evictable blocks; audit_kept lists them, and
+    allocate_many takes them back, oldest first, once the two lists run short."""
+    class Keeping(lab.BlockAllocator):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.kept = []
+
+        def free_blocks(self, blocks):
+            given_back = len(self.free_block_ids)
+            super().free_blocks(blocks)
+            self.kept += self.free_block_ids[given_back:]
+            del self.free_block_ids[given_back:]
+
+        def allocate_many(self, n):
+            self.ensure_free(n)
+            while len(self.free_block_ids) + self.num_blocks - self.next_unused < n:
+                self.free_block_ids.append(self.kept.pop(0))
+            return super().allocate_many(n)
+
+        def audit_kept(self):
+            return list(self.kept)
+    return Keeping(num_blocks, block_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,6 +222,36 @@ class TestPart1Pool:
         pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
         assert state(pool) == before
 
+    def test_cdiv_rounds_up_to_whole_blocks(self, lab):
+        assert [lab.cdiv(n, 16) for n in (0, 1, 16, 17, 20, 32, 33)] == [0, 1, 1, 2, 2, 2, 3]
+        assert lab.cdiv(7, 1) == 7 and lab.cdiv(3, 4) == 1
+
+    def test_num_free_counts_every_block_without_a_ref_count_even_one_a_cache_keeps(self, lab):
+        pool = keeping(lab, 4)  # a caching pool keeps evictable blocks in neither list
+        a, b, c = pool.allocate_many(3)
+        pool.free_blocks([a, b])
+        assert (pool.kept, pool.free_block_ids, pool.next_unused) == ([a, b], [], 3)
+        assert (pool.num_free, pool.num_used) == (3, 1)  # not 1: free list + never used
+        assert sorted(pool.allocate_many(3)) == [a, b, 3] and pool.num_free == 0
+        refused(pool.allocate, lab.OutOfBlocksError, pool)
+
+    def test_a_shared_block_is_freed_only_by_its_last_reference_in_one_call(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        a, b = pool.allocate_many(2)
+        assert pool.share_blocks([a, a, b]) == [a, a, b]
+        assert (pool.refcount(a), pool.refcount(b)) == (3, 2)
+        pool.free_blocks([a, b, a])
+        assert pool.ref_cnt == {a: 1, b: 1} and pool.free_block_ids == []
+        pool.free_blocks([b, a])
+        assert pool.ref_cnt == {} and pool.free_block_ids == [b, a] and pool.num_free == 4
+
+    def test_copy_block_refuses_a_free_block_changing_nothing(self, lab):
+        pool = lab.BlockAllocator(3, 2)
+        block = pool.allocate()
+        pool.free(block)  # known, but free: nothing to copy
+        refused(lambda: pool.copy_block(block), ValueError, pool)
+        assert pool.num_copies == 0
+
 
 # ---------------------------------------------------------------------------------------
 # Step 2: block tables and sequences
@@ -290,6 +347,161 @@ class TestPart2Sequences:
         assert pool.num_free == 0 and seq.read() == [0, 1, 2, 0, 1, 2]
         refused(lambda: seq.append(9), lab.OutOfBlocksError, pool, [seq])
 
+    def reporting(self, lab, num_blocks, block_size):
+        """A pool that records what a prefix cache would hear through cache_blocks: for each
+        call, the full blocks of first..last-1 and whether they hold their tokens yet."""
+        class Reporting(lab.BlockAllocator):
+            reports = []
+
+            def cache_blocks(self, table, tokens, first, last, decode=False):
+                full = [k for k in range(first, last) if (k + 1) * self.block_size <= len(tokens)]
+                size = self.block_size
+                written = all(self.read(table[k]) == list(tokens[k * size:(k + 1) * size])
+                              for k in full)
+                self.reports.append((full, decode, written))
+        return Reporting(num_blocks, block_size)
+
+    @pytest.mark.parametrize("block_size", [1, 3])
+    def test_append_and_extend_report_the_blocks_they_fill_in_one_call_once_written(
+            self, lab, block_size):
+        pool = self.reporting(lab, 16, block_size)  # a prefix cache remembers these (Part 6)
+        seq = lab.Sequence("s", pool, range(4))
+        for what, call in [("append", lambda: seq.append(7))] * (2 * block_size + 1) + [
+                ("extend", lambda: seq.extend(range(2 * block_size))),
+                ("extend", lambda: seq.extend([]))]:
+            before, pool.reports[:] = len(seq) // block_size, []
+            call()
+            filled = list(range(before, len(seq) // block_size))  # in one call: a radix node
+            assert [full for full, _, _ in pool.reports if full] == ([filled] if filled else [])
+            assert all(written and decode == (what == "append") for full, decode, written
+                       in pool.reports if full), what
+
+    def test_a_prompt_reports_its_full_blocks_as_a_prefill(self, lab):
+        pool = self.reporting(lab, 8, 3)
+        lab.Sequence("s", pool, range(7))
+        assert [(k, decode, written) for full, decode, written in pool.reports
+                for k in full] == [(0, False, True), (1, False, True)]
+
+    def test_a_prompt_starts_from_the_blocks_the_pools_cache_shares(self, lab):
+        class Remembering(lab.BlockAllocator):  # a prefix cache, faked: [1, 2] is in block 0
+            def share_cached_prefix(self, token_ids):
+                token_ids = list(token_ids)
+                hit = token_ids[:2] == [1, 2]
+                return ([self.share(0)], 2) if hit else ([], 0)
+        pool = Remembering(4, 2)
+        pool.kv_cache.write(pool.allocate(), 0, [1, 2])
+        seq = lab.Sequence("s", pool, [1, 2, 3])
+        assert list(seq.block_table)[0] == 0 and seq.read() == [1, 2, 3] and len(seq) == 3
+        assert pool.refcount(0) == 2 and pool.num_used == 2
+        whole = lab.Sequence("t", pool, [1, 2])
+        assert list(whole.block_table) == [0] and pool.num_used == 2 and whole.read() == [1, 2]
+
+    def test_read_gathers_the_kv_cache_through_the_block_table(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        seq = lab.Sequence("s", pool, [5, 6, 7])
+        block, offset = seq.block_table.slot(2)
+        pool.kv_cache.slots[block * 2 + offset] = 42  # what the KV cache holds, not the list
+        assert seq.read() == [5, 6, 42] and seq.tokens == [5, 6, 7]
+
+    def test_free_gives_the_table_back_tail_first_in_one_call(self, lab):
+        class Freeing(lab.BlockAllocator):  # a prefix cache hears one release a table
+            calls = []
+
+            def free_blocks(self, blocks):
+                blocks = list(blocks)
+                self.calls.append(blocks)
+                super().free_blocks(blocks)
+        pool = Freeing(4, 2)
+        seq = lab.Sequence("s", pool, range(5))
+        table = list(seq.block_table)
+        seq.free()
+        assert pool.calls == [table[::-1]] and pool.ref_cnt == {}
+        assert pool.free_block_ids == table[::-1]
+        assert pool.allocate() == table[0]  # last in, first out: the head is reused first
+
+    def test_a_sequence_made_with_no_tokens_asks_its_pool_nothing(self, lab):
+        class Watched(lab.BlockAllocator):  # share_prefix makes one, then may be refused
+            calls = []
+
+            def share_cached_prefix(self, token_ids):
+                self.calls.append("share_cached_prefix")
+                return super().share_cached_prefix(token_ids)
+
+            def cache_blocks(self, *args, **kwargs):
+                self.calls.append("cache_blocks")
+
+            def allocate_many(self, n):
+                self.calls.append("allocate_many")
+                return super().allocate_many(n)
+        pool = Watched(4, 2)
+        seq = lab.Sequence("s", pool)
+        seq2 = lab.Sequence("t", pool, [])
+        assert pool.calls == [] and (len(seq), len(seq2.block_table), pool.num_used) == (0, 0, 0)
+
+    @pytest.mark.parametrize("tokens", [3, 5])
+    def test_append_copies_a_last_block_another_holder_shares_and_drops_its_reference(
+            self, lab, tokens):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(tokens))
+        *head, last = seq.block_table
+        pool.share(last)  # held outside the sequence (a fork does this in Part 3)
+        held = pool.read(last)
+        seq.append(99)
+        assert list(seq.block_table[:-1]) == head and seq.block_table[-1] != last
+        assert (pool.refcount(last), pool.refcount(seq.block_table[-1])) == (1, 1)
+        assert pool.read(last) == held and pool.num_copies == 1 and pool.num_used == len(head) + 2
+        assert seq.read() == [*range(tokens), 99]
+        seq.append(100)  # the copy is ours alone now: written in place
+        assert pool.num_copies == 1 and seq.read() == [*range(tokens), 99, 100]
+
+    @pytest.mark.parametrize("tokens, extra", [(5, 1), (5, 4), (6, 2)])
+    def test_extend_copies_a_shared_last_block_before_writing_it(self, lab, tokens, extra):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(tokens))
+        last = seq.block_table[-1]
+        pool.share(last)
+        held = pool.read(last)
+        seq.extend(range(50, 50 + extra))
+        assert pool.read(last) == held and pool.refcount(last) == 1 and pool.num_copies == 1
+        assert last not in seq.block_table
+        assert seq.read() == [*range(tokens), *range(50, 50 + extra)]
+        assert pool.num_used == 1 + len(seq.block_table)
+
+    def test_a_full_shared_last_block_or_an_unshared_one_is_never_copied(self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        seq = lab.Sequence("s", pool, range(5))
+        seq.append(5)
+        seq.extend([6, 7])  # mid-block, unshared: in place
+        pool.share(seq.block_table[-1])  # shared, but full: the next token needs a new block
+        seq.append(8)
+        seq.extend([9])
+        assert pool.num_copies == 0 and len(seq.block_table) == 3 and seq.read() == list(range(10))
+        pool.share(seq.block_table[-1])  # shared mid-block: extending by nothing writes nothing
+        seq.extend([])
+        assert pool.num_copies == 0 and pool.refcount(seq.block_table[-1]) == 2
+        pool.free(seq.block_table[-1])
+        seq.extend(range(10, 12))
+        pool.share(seq.block_table[-1])  # full and shared: extending takes a new block, no copy
+        seq.extend([12, 13])
+        assert pool.num_copies == 0 and seq.read() == list(range(14)) and len(seq.block_table) == 4
+
+    def test_an_extend_that_needs_a_copy_and_a_block_is_refused_whole_when_one_is_free(self, lab):
+        pool = lab.BlockAllocator(4, 4)
+        seq = lab.Sequence("s", pool, range(5))  # 2 blocks; 2 free
+        pool.share(seq.block_table[-1])
+        pool.allocate()  # 1 free: the copy fits, the new block does not
+        refused(lambda: seq.extend(range(4)), lab.OutOfBlocksError, pool, [seq])
+        refused(lambda: lab.Sequence("t", pool, range(8)), lab.OutOfBlocksError, pool, [seq])
+
+    def test_fork_is_share_prefix_of_every_token(self, lab, monkeypatch):
+        calls = []
+        def share_prefix(src, seq_id, num_tokens=None):  # Part 3's, faked
+            calls.append((src, seq_id, len(src) if num_tokens is None else num_tokens))
+            return "the fork"
+        monkeypatch.setattr(lab.module, "share_prefix", share_prefix)
+        seq = lab.Sequence("a", lab.BlockAllocator(4, 2), range(3))
+        assert seq.fork("b") == "the fork" and calls == [(seq, "b", 3)]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 3: sharing and copy-on-write
@@ -378,10 +590,48 @@ class TestPart3Sharing:
         refused(lambda: b.append(1), lab.OutOfBlocksError, pool, [a, b])
         refused(lambda: b.extend([1, 2]), lab.OutOfBlocksError, pool, [a, b])
 
+    @pytest.mark.parametrize("num_tokens, tails", [(18, 1), (16, 0), (0, 0), (20, 1), (5, 1)])
+    def test_share_prefix_gets_a_partly_covered_last_block_from_the_pools_share_tail(
+            self, lab, num_tokens, tails):
+        class Copying(lab.BlockAllocator):  # a prefix cache's share_tail gives a copy
+            asked = []
+
+            def share_tail(self, block):
+                self.asked.append(block)
+                return self.copy_block(block)
+        pool = Copying(8, 16)
+        src = lab.Sequence("src", pool, range(20))
+        x = lab.share_prefix(src, "x", num_tokens)
+        full = num_tokens // 16
+        assert pool.asked == src.block_table[full:full + tails] and pool.num_copies == tails
+        assert list(x.block_table[:full]) == list(src.block_table[:full])
+        assert len(x.block_table) == full + tails and x.read() == list(range(num_tokens))
+        assert [pool.refcount(block) for block in src.block_table] == [
+            2 if k < full else 1 for k in range(2)]
+
+    def test_a_share_tail_that_does_not_fit_refuses_the_share_whole(self, lab):
+        class Copying(lab.BlockAllocator):
+            def share_tail(self, block):
+                return self.copy_block(block)
+        pool = Copying(2, 4)
+        src = lab.Sequence("src", pool, range(6))
+        refused(lambda: lab.share_prefix(src, "x", 5), lab.OutOfBlocksError, pool, [src])
+        assert list(lab.share_prefix(src, "y", 4).block_table) == [src.block_table[0]]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 4: checks, the randomized oracle, the pitfalls
 # ---------------------------------------------------------------------------------------
+
+class Twice:
+    """commit_bug's test: a method with one line in it twice."""
+
+    def step(self, x):
+        x = x + 1
+        if x > 2:
+            x = x + 1
+        return x
+
 
 class TestPart4Checks:
 
@@ -451,8 +701,16 @@ class TestPart4Checks:
             self, lab, monkeypatch):
         _, method, line, bug = lab.PITFALLS[2]
         monkeypatch.setattr(lab.module, "Sequence", lab.commit_bug(method, line, bug))
-        with pytest.raises(AssertionError, match="block count: sequence 'prompt' holds 2 blocks"):
+        with pytest.raises(AssertionError, match="block count: sequence 'prompt' holds 2 blocks "
+                                                 "for 3 tokens, needs 1"):
             lab.check_block_boundary([3])
+        with pytest.raises(AssertionError, match="holds 2 blocks for 1 token, needs 1"):
+            lab.check_block_boundary([1])
+
+    def test_plural_counts_one_thing_and_many(self, lab):
+        assert [lab.plural(n, "block") for n in (0, 1, 2)] == ["0 blocks", "1 block", "2 blocks"]
+        assert lab.plural(1, "copy", "copies") == "1 copy"
+        assert lab.plural(3, "copy", "copies") == "3 copies"
 
     def test_a_block_map_shows_each_table_as_block_and_ref_count_cells(self, lab):
         pool = lab.BlockAllocator(4, 2)
@@ -485,6 +743,163 @@ class TestPart4Checks:
         assert out.count("caught after") == 4 and "NOT CAUGHT" not in out
         assert before == [getattr(method, "__code__", None) for _, method, _, _ in lab.PITFALLS]
         lab.run_checks(16, None)  # the real classes still pass
+
+    @pytest.mark.parametrize("corrupt, message", [
+        ("references counted", "counts"), ("listed free twice", "free list"),
+        ("listed free in use", "free list"), ("free, listed nowhere", "free list")])
+    def test_the_audit_names_a_count_or_a_free_list_that_is_wrong(self, lab, corrupt, message):
+        class Counting(lab.BlockAllocator):  # pitfall 4: num_used counts references
+            num_used = property(lambda self: sum(self.ref_cnt.values()))
+        pool = (Counting if corrupt == "references counted" else lab.BlockAllocator)(6, 2)
+        a, b, c = pool.allocate_many(3)
+        pool.free(b)  # free: [b], then the never used 3, 4, 5
+        lab.audit(pool)
+        if corrupt == "references counted":
+            pool.share(a)
+        elif corrupt == "free, listed nowhere":
+            pool.free_block_ids.remove(b)  # never handed out again
+        else:  # b or a in use listed too, block 3 taken: the count of the listed still agrees
+            pool.free_block_ids.append(b if corrupt == "listed free twice" else a)
+            pool.next_unused += 1
+        with pytest.raises(AssertionError, match=message):
+            lab.audit(pool)
+
+    @pytest.mark.parametrize("corrupt", [None, "kept in use", "kept and listed", "lost"])
+    def test_the_audit_counts_the_blocks_a_cache_keeps_as_free_and_checks_them(self, lab,
+                                                                              corrupt):
+        pool = keeping(lab, 6)
+        a, b = pool.allocate_many(2)
+        pool.free_blocks([a])  # kept aside (audit_kept), in neither list: free all the same
+        if corrupt == "kept in use":
+            pool.kept.append(b)
+        elif corrupt == "kept and listed":
+            pool.free_block_ids.append(a)
+            pool.next_unused += 1
+        elif corrupt == "lost":
+            pool.kept.clear()  # free, yet listed nowhere
+        if corrupt is None:
+            lab.audit(pool)
+            pool.free_blocks([b])
+            lab.check_invariants(pool, [])
+            assert pool.kept == [a, b]
+        else:
+            with pytest.raises(AssertionError, match="free list"):
+                lab.audit(pool)
+
+    def fuzz_with(self, lab, monkeypatch, seq_class, runs=10):
+        """fuzz, every sequence of the run a seq_class, until it fails (seeds 0..runs - 1)."""
+        monkeypatch.setattr(lab.module, "Sequence", seq_class)
+        for seed in range(runs):
+            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(seed), 300)
+
+    def test_the_oracle_finds_sequences_that_agree_with_themselves_but_not_the_model(
+            self, lab, monkeypatch):
+        class Shifted(lab.Sequence):  # stores and reads back token + 1: invariants hold
+            def __init__(self, seq_id, allocator, tokens=()):
+                super().__init__(seq_id, allocator, [token + 1 for token in tokens])
+
+            def append(self, token):
+                super().append(token + 1)
+
+            def extend(self, tokens):
+                super().extend([token + 1 for token in tokens])
+        with pytest.raises(AssertionError):
+            self.fuzz_with(lab, monkeypatch, Shifted, runs=1)
+
+    def test_the_atomicity_check_covers_the_live_sequences_not_only_the_pool(self, lab,
+                                                                           monkeypatch):
+        class Staging(lab.Sequence):  # a refused extend leaves its tokens staged on the sequence
+            def extend(self, tokens):
+                self.staged = list(tokens)
+                super().extend(self.staged)
+                del self.staged
+        with pytest.raises(AssertionError, match="atomicity"):
+            self.fuzz_with(lab, monkeypatch, Staging)
+
+    def test_the_copy_on_write_check_sees_a_write_into_a_block_held_outside_any_table(
+            self, lab, monkeypatch):
+        live = []
+        class Blind(lab.Sequence):  # writes in place a last block no other sequence holds
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                live.append(self)
+
+            def append(self, token):
+                pool, offset = self.allocator, len(self) % self.allocator.block_size
+                last = self.block_table[-1] if offset > 0 else None
+                if last is not None and pool.refcount(last) > 1 and not any(
+                        last in seq.block_table for seq in live if seq is not self):
+                    pool.kv_cache.slots[last * pool.block_size + offset] = token
+                    self.tokens.append(token)  # no sequence reads that slot: invariants hold
+                else:
+                    super().append(token)
+        with pytest.raises(AssertionError, match="copy-on-write"):
+            self.fuzz_with(lab, monkeypatch, Blind)
+
+    def test_the_fuzz_frees_every_sequence_at_the_end_and_checks_for_a_leak(self, lab,
+                                                                           monkeypatch):
+        pool = lab.BlockAllocator(10, 4)
+        lab.fuzz(pool, random.Random(0), 40)
+        assert pool.num_used == 0 and pool.num_free == 10
+        class Leaky(lab.Sequence):  # its free keeps a reference to its first block
+            def free(self):
+                if len(self.block_table) > 0:
+                    self.allocator.share(self.block_table[0])
+                super().free()
+        monkeypatch.setattr(lab.module, "Sequence", Leaky)
+        with pytest.raises(AssertionError):
+            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(0), 1)  # a create, freed at the end
+
+    def test_the_seed_decides_the_fuzzers_run(self, lab):
+        def run(seed):
+            pool = lab.BlockAllocator(10, 3)
+            counts = lab.fuzz(pool, random.Random(seed), 200)
+            return sorted(counts.items()), pool.free_block_ids, pool.kv_cache.slots
+        assert run(5) == run(5)
+        assert len({repr(run(seed)) for seed in range(4)}) == 4
+
+    def test_the_fuzz_keeps_at_most_max_live_sequences_live(self, lab, monkeypatch):
+        live = []
+        class Counted(lab.Sequence):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                live.append(self)
+                assert sum(not seq.is_freed for seq in live) <= 3
+        monkeypatch.setattr(lab.module, "Sequence", Counted)
+        lab.fuzz(lab.BlockAllocator(40, 2), random.Random(1), 200, max_live=3)
+        assert len(live) > 10
+
+    def test_commit_bug_replaces_the_line_wherever_it_occurs(self, lab, monkeypatch):
+        monkeypatch.setattr(lab.module, "Twice", Twice, raising=False)  # the lab finds it so
+        broken = lab.commit_bug(Twice.step, "x = x + 1", "x = x * 10")
+        assert issubclass(broken, Twice) and broken is not Twice
+        assert broken().step(1) == 100 and Twice().step(1) == 2  # both lines; Twice unchanged
+        with pytest.raises(ValueError):
+            lab.commit_bug(Twice.step, "x = x + 2", "pass")
+
+    def test_the_sharing_scenario_names_the_step_that_raised_as_the_one_that_failed(self, lab):
+        class Refusing(lab.Sequence):  # its extend fails inside the step, before any check
+            def extend(self, tokens):
+                raise lab.OutOfBlocksError("refused")
+        done = []
+        with pytest.raises(lab.OutOfBlocksError):
+            lab.sharing_scenario(4, lab.BlockAllocator, Refusing, done)
+        assert done == ["a", "a.extend"]
+        done = []
+        assert "size 5" in lab.sharing_scenario(5, done=done)
+        assert done == ["a", "a.extend", "b", "b.append", "a.free", "c"]
+
+    @pytest.mark.parametrize("block_size, sizes, size, ops", [(16, "1, 3, 16", 16, 300),
+                                                               (2, "1, 2, 3", 3, 300),
+                                                               (3, "1, 3", 3, 200)])
+    def test_the_checks_section_prints_each_checks_line(self, lab, capsys, block_size, sizes,
+                                                        size, ops):
+        lab.run_checks(block_size, 7)
+        assert capsys.readouterr().out.splitlines() == ["== correctness checks =="] + [
+            f"{label:<78} ok" for label in (
+                f"block boundary: a new block exactly when the last is full (sizes {sizes})",
+                f"sharing: counted once, copied before a write, kept while held (size {size})",
+                f"random operations vs a plain-list model ({ops}), refused ones inert")]
 
 
 # ---------------------------------------------------------------------------------------
@@ -534,6 +949,82 @@ class TestPart5Demos:
     def test_admit_until_full_counts_what_fits(self, lab):
         pool = lab.BlockAllocator(10, 4)
         assert lab.admit_until_full(lambda i: lab.Sequence(i, pool, range(9))) == 3
+
+    def test_reserve_max_len_writes_each_block_from_its_start_and_leaves_the_rest_unwritten(
+            self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        blocks = lab.reserve_max_len(pool, list(range(1, 7)), 16)
+        assert [pool.read(block) for block in blocks] == [[1, 2, 3, 4], [5, 6, None, None],
+                                                          [None] * 4, [None] * 4]
+
+    def test_written_share_is_the_share_of_slots_in_use_that_hold_a_token(self, lab):
+        pool = lab.BlockAllocator(8, 4)
+        lab.reserve_max_len(pool, list(range(6)), 16)
+        assert lab.written_share(pool) == 6 / 16
+        lab.Sequence("s", pool, range(8))  # two full blocks
+        assert lab.written_share(pool) == 14 / 24
+        other = lab.BlockAllocator(4, 4)
+        used, freed = other.allocate_many(2)
+        other.kv_cache.write(used, 0, [1])
+        other.kv_cache.write(freed, 0, [1, 2, 3, 4])
+        other.free(freed)  # its slots stay written, but it is not in use
+        assert lab.written_share(other) == 1 / 4
+
+    def test_the_memory_demo_prints_the_written_share_and_the_blocks_left_free(self, lab, capsys):
+        lab.demo_memory(16, None)
+        out = capsys.readouterr().out
+        assert re.search(r"naive 37\.5% \(62\.5%.*paged 100\.0%", out)  # 768 of 2048; 48 full
+        assert re.search(r"naive 0, paged 16\b", out)  # 4096 - 32 x 128; 4096 - 85 x 48
+
+    @pytest.fixture
+    def sequences(self, lab, monkeypatch):
+        """monkeypatch.setattr on the lab's Sequence name: every sequence a demo makes is one."""
+        return lambda seq_class: monkeypatch.setattr(lab.module, "Sequence", seq_class)
+
+    def test_the_sharing_demo_reports_a_write_in_place(self, lab, capsys, sequences):
+        class InPlace(lab.Sequence):  # writes a shared, partly full last block in place
+            def append(self, token):
+                pool, offset = self.allocator, len(self) % self.allocator.block_size
+                if offset > 0 and pool.refcount(self.block_table[-1]) > 1:
+                    pool.kv_cache.slots[self.block_table[-1] * pool.block_size + offset] = token
+                    self.tokens.append(token)  # the invariants still hold: a reads its own
+                else:
+                    super().append(token)
+        sequences(InPlace)
+        lab.demo_sharing(16, None)
+        assert "copy-on-write   : divergence WROTE IN PLACE;" in capsys.readouterr().out
+
+    def test_the_sharing_demo_checks_the_invariants_after_the_copy(self, lab, sequences):
+        class Leaky(lab.Sequence):  # its copy-on-write keeps its reference to the shared block
+            def append(self, token):
+                last, pool = self.block_table[-1], self.allocator
+                shared = len(self) % pool.block_size > 0 and pool.refcount(last) > 1
+                super().append(token)
+                if shared:
+                    pool.share(last)
+        sequences(Leaky)
+        with pytest.raises(AssertionError, match="ref-count"):
+            lab.demo_sharing(16, None)
+
+    def test_the_system_prompt_requests_are_checked_against_the_invariants(self, lab,
+                                                                          sequences):
+        class Leaky(lab.Sequence):  # each extend keeps one more reference to its first block
+            def extend(self, tokens):
+                super().extend(tokens)
+                self.allocator.share(self.block_table[0])
+        sequences(Leaky)
+        with pytest.raises(AssertionError, match="ref-count"):
+            lab.system_prompt_requests(lab.BlockAllocator(4096, 16), True, 1)
+
+    @pytest.mark.parametrize("block_size", [16, 3])
+    def test_the_sharing_demo_shows_the_block_maps_before_and_after_the_copy(self, lab, capsys,
+                                                                            block_size):
+        lab.demo_sharing(block_size, None)  # a = [0, 1] in a fresh pool; b copies 1 to 2
+        lines = capsys.readouterr().out.splitlines()
+        before = ["    a   [  0:2][  1:2]", "    b   [  0:2][  1:2]"]
+        after = ["    a   [  0:2][  1:1]", "    b   [  0:2][  2:1]"]
+        assert lines[-2:] == after and lines.index(before[0]) + 1 == lines.index(before[1])
+        assert lines.index(before[1]) < len(lines) - 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -696,6 +1187,153 @@ class TestPart6aHashChain:
             with pytest.raises(ValueError):
                 lab.PrefixCachingAllocator(4, 4, **bad)
         assert lab.PrefixCachingAllocator(4, 4, lab.LRU()).hit_rate == 0.0
+
+    def test_a_block_a_decode_step_fills_chains_from_the_block_before(self, lab):
+        pool = caching(lab, 8, 2)
+        a = lab.Sequence("a", pool, [1, 2, 3])
+        a.append(4)  # block 1, [3 4], after [1 2]
+        b = lab.Sequence("b", pool, [3, 4, 5])  # [3 4] first: another history, no hit
+        c = lab.Sequence("c", pool, [1, 2, 3, 4, 5])
+        assert pool.hits == 2 and list(c.block_table[:2]) == list(a.block_table)
+        assert b.block_table[0] not in a.block_table
+
+    def test_the_pool_swaps_in_a_block_its_index_holds_already_and_frees_its_own(
+            self, lab, monkeypatch):
+        class Dedup(lab.HashIndex):  # returns (k, its block) for a block it holds already
+            def insert(self, table, tokens, first, last, now, decode):
+                dups, size = [], self.block_size
+                parent = self.block_hash[table[first - 1]] if first > 0 else None
+                for k in range(first, min(last, len(tokens) // size)):
+                    parent = lab.hash_block_tokens(parent, tokens[k * size:(k + 1) * size])
+                    block = self.block_of.get(parent, table[k])
+                    if block != table[k]:
+                        dups.append((k, block))
+                        if block in self.policy:
+                            self.policy.remove([block])
+                super().insert(table, tokens, first, last, now, decode)
+                return dups
+        monkeypatch.setitem(lab.INDEXES, "dedup", Dedup)
+        pool = caching(lab, 6, 2, index="dedup")
+        a, b = lab.Sequence("a", pool, [1]), lab.Sequence("b", pool, [1])
+        a.append(2)
+        b.append(2)  # block 1 holds what block 0 does: b takes 0 and frees 1
+        assert list(b.block_table) == [0] and pool.refcount(0) == 2 and pool.refcount(1) == 0
+        assert pool.num_used == 1 and b.read() == [1, 2]
+        lab.check_invariants(pool, [a, b])
+        a.free()
+        x = lab.Sequence("x", pool, [9, 9])
+        assert b.read() == [1, 2] and pool.refcount(0) == 1
+        lab.check_invariants(pool, [b, x])
+
+    def test_the_pools_fields_pickle_as_the_fuzz_snapshots_them(self, lab):
+        pool = caching(lab, 8, 2)
+        lab.Sequence("a", pool, range(7)).free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert fields["index"].block_of == pool.index.block_of and fields["ref_cnt"] == {}
+
+    def test_the_hash_index_tells_its_policy_each_insert_add_remove_and_victim(self, lab):
+        events = []
+        class Told(lab.LRU):  # LRU, recording each event (a list of blocks: one a block)
+            def insert(self, block, token_ids):
+                events.append(("insert", block, tuple(token_ids)))
+                super().insert(block, token_ids)
+
+            def add(self, blocks, now):
+                blocks = list(blocks)
+                events.extend(("add", block, now) for block in blocks)
+                super().add(blocks, now)
+
+            def remove(self, blocks):
+                blocks = list(blocks)
+                events.extend(("remove", block) for block in blocks)
+                super().remove(blocks)
+
+            def victim(self, now):
+                block = super().victim(now)
+                events.append(("victim", block, now))
+                return block
+        pool = lab.PrefixCachingAllocator(4, 2, Told())
+        lab.Sequence("a", pool, [1, 2, 3, 4, 5]).free()
+        assert events == [("insert", 0, (1, 2)), ("insert", 1, (3, 4)),  # block 2: partial
+                          ("add", 1, 1), ("add", 0, 1)]  # tail first; now: prompts admitted
+        del events[:]
+        lab.Sequence("b", pool, [1, 2, 3, 4, 9, 9, 9]).free()  # 2 hits, then [9 9] in block 2
+        assert events == [("remove", 0), ("remove", 1), ("insert", 2, (9, 9)),
+                          ("add", 2, 2), ("add", 1, 2), ("add", 0, 2)]
+        del events[:]
+        c = lab.Sequence("c", pool, [7, 7, 7, 7, 7])  # block 3 free, then 2 victims: 2, 1
+        assert events == [("victim", 2, 3), ("victim", 1, 3), ("insert", 2, (7, 7)),
+                          ("insert", 1, (7, 7))] and list(c.block_table) == [2, 1, 3]
+        assert (pool.stats.prompts, pool.stats.evictions, pool.stats.evicted) == (3, 1, 2)
+
+    @pytest.fixture
+    def told(self, lab, monkeypatch):
+        """An index "told" in INDEXES: the hash chain, recording each event the pool sends it;
+        its evict frees one block more than asked while it can."""
+        events = []
+        class Told(lab.HashIndex):
+            def match(self, token_ids):
+                events.append(("match", list(token_ids)))
+                return super().match(token_ids)
+
+            def lock(self, blocks, revived, now):
+                events.append(("lock", list(blocks), list(revived), now))
+                super().lock(blocks, revived, now)
+
+            def insert(self, table, tokens, first, last, now, decode):
+                events.append(("insert", list(table[first:last]), first, last, now, decode))
+                return super().insert(table, tokens, first, last, now, decode)
+
+            def release(self, blocks, free, now):
+                events.append(("release", list(blocks), list(free), now))
+                return super().release(blocks, free, now)
+
+            def evict(self, n, now):
+                events.append(("evict", n, now))
+                return super().evict(min(n + 1, len(self)), now)
+
+            def check(self, in_use):
+                events.append(("check",))
+                return super().check(in_use)
+        monkeypatch.setitem(lab.INDEXES, "told", Told)
+        return events
+
+    def test_the_pool_tells_its_index_of_each_cache_event_once(self, lab, told):
+        pool = caching(lab, 5, 2, index="told")
+        a = lab.Sequence("a", pool, [1, 2, 3])
+        assert told in ([("match", [1, 2, 3]), ("lock", [], [], 1),
+                         ("insert", [0], 0, 1, 1, False)],  # the partial block, or not
+                        [("match", [1, 2, 3]), ("lock", [], [], 1),
+                         ("insert", [0, 1], 0, 2, 1, False)])
+        del told[:]
+        a.append(4)  # fills block 1: a decode step
+        a.free()
+        released = [event for event in told if event[0] == "release"]  # one call or a block each
+        assert told[0] == ("insert", [1], 1, 2, 1, True) and len(told) == 1 + len(released)
+        assert [block for event in released for block in event[1]] == [1, 0]  # tail first
+        assert [block for event in released for block in event[2]] == [1, 0]
+        assert {event[3] for event in released} == {1}
+        del told[:]
+        lab.audit(pool)
+        assert told == [("check",)]
+        del told[:]
+        b = lab.Sequence("b", pool, [1, 2, 7])  # a hit: block 0 revived
+        assert told[:2] == [("match", [1, 2, 7]), ("lock", [0], [0], 2)]
+        del told[:]
+        refused(lambda: lab.Sequence("c", pool, [5, 6, 7, 8, 9, 9, 9]), lab.OutOfBlocksError,
+                pool, [b])
+        assert told == [("match", [5, 6, 7, 8, 9, 9, 9])]  # refused: no lock, no eviction
+
+    def test_the_pool_evicts_the_shortfall_and_counts_what_its_index_frees_beyond_it(
+            self, lab, told):
+        pool = caching(lab, 4, 2, index="told")
+        lab.Sequence("a", pool, range(6)).free()  # 3 cached blocks, 1 never used
+        del told[:]
+        seq = lab.Sequence("b", pool, range(10, 14))  # 2 blocks: 1 free, 1 short
+        assert [event for event in told if event[0] == "evict"] == [("evict", 1, 2)]
+        assert (pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (1, 2, 1)
+        assert pool.num_free == 2 and pool.num_cached == 1 and seq.read() == list(range(10, 14))
+        lab.check_invariants(pool, [seq])
 
 
 def tree_shape(node):
@@ -914,6 +1552,76 @@ class TestPart6bRadixTree:
         heap.discard(3)
         assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
 
+    @pytest.mark.parametrize("prompt, exception", [
+        ([True, 2, 3], TypeError),  # True == 1: a match by == alone would hit block [1 2]
+        ([1, 2, -1], ValueError), ([1, 2, "a"], TypeError), ([1, 2.0, 3], TypeError)])
+    def test_the_tree_refuses_bad_token_ids_in_or_after_a_cached_prefix(self, lab, prompt,
+                                                                        exception):
+        pool = caching(lab, 8, 2, index="radix")
+        lab.Sequence("a", pool, [1, 2, 3]).free()  # [1 2] stays cached
+        refused(lambda: lab.Sequence("b", pool, prompt), exception, pool)
+        assert tree_shape(pool.index.root) == {(1, 2): {}}
+
+    def test_a_split_parent_takes_its_childs_last_access(self, lab):
+        pool = caching(lab, 6, 1, index="radix")
+        tree = pool.index
+        lab.Sequence("a", pool, [1, 2, 3, 4]).free()
+        b = lab.Sequence("b", pool, [1, 2])  # the match ends inside [1 2 3 4]: it splits
+        head = tree.node_of[b.block_table[-1]]
+        child = head.children[(3,)]
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {}}} and child.parent is head
+        assert head.last_access == child.last_access == tree.clock > 0
+        x = lab.share_prefix(b, "x", 1)  # uses [1] only
+        b.free()  # [2] is nobody's now: the node splits where x's use ends
+        head = tree.node_of[x.block_table[0]]
+        assert tree_shape(tree.root) == {(1,): {(2,): {(3, 4): {}}}}
+        assert head.last_access == head.children[(2,)].last_access == tree.clock
+
+    def test_a_duplicate_splits_a_node_only_where_it_ends_inside_it(self, lab):
+        pool = caching(lab, 8, 2, index="radix")
+        tree = pool.index
+        a = lab.Sequence("a", pool, [1, 2, 3, 4])  # one node, blocks 0 and 1
+        b = lab.Sequence("b", pool, [1])
+        b.append(2)  # a duplicate of block 0, ending inside the node: it splits there
+        assert list(b.block_table) == [0] and tree_shape(tree.root) == {(1, 2): {(3, 4): {}}}
+        b.extend([3, 4])  # a duplicate of block 1, ending at its node's end: no split
+        assert list(b.block_table) == [0, 1] and tree_shape(tree.root) == {(1, 2): {(3, 4): {}}}
+        b.extend([5, 6])
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
+        c = lab.Sequence("c", pool, [1])
+        c.append(2)  # a duplicate of a whole node: no split
+        assert list(c.block_table) == [0]
+        assert tree_shape(tree.root) == {(1, 2): {(3, 4): {(5, 6): {}}}}
+        assert pool.num_used == 3 and len(tree) == 0
+        lab.check_invariants(pool, [a, b, c])
+        d = lab.share_prefix(a, "d", 2)  # d's table joins a's node after its first block
+        d.extend([3, 4])  # a duplicate of block 1, inside the node it joins: no split
+        assert list(d.block_table) == [0, 1] and tree_shape(tree.root) == {
+            (1, 2): {(3, 4): {(5, 6): {}}}} and pool.num_used == 3
+        pool = caching(lab, 8, 2, index="radix")
+        a = lab.Sequence("a", pool, [1, 2, 3, 4, 5, 6])
+        d = lab.share_prefix(a, "d", 2)
+        clock = pool.index.clock
+        d.extend([3])  # fills no block: nothing to insert, no touch, no split
+        assert tree_shape(pool.index.root) == {(1, 2, 3, 4, 5, 6): {}}
+        assert pool.index.clock == clock
+        d.extend([4])  # duplicates ending inside a's node, after where d joined: a split
+        assert list(d.block_table) == [0, 1] and tree_shape(pool.index.root) == {
+            (1, 2, 3, 4): {(5, 6): {}}}
+        d.extend([9, 9])  # at the end of a node: a child of its own
+        assert tree_shape(pool.index.root) == {(1, 2, 3, 4): {(5, 6): {}, (9, 9): {}}}
+        lab.check_invariants(pool, [a, d])
+
+    @pytest.mark.parametrize("policy", ["lru", "fifo"])
+    def test_the_trees_fields_pickle_as_the_fuzz_snapshots_them(self, lab, policy):
+        pool = caching(lab, 8, 2, policy, "radix")
+        a = lab.Sequence("a", pool, range(7))
+        lab.share_prefix(a, "x", 3)
+        a.free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert tree_shape(fields["index"].root) == tree_shape(pool.index.root)
+        assert fields["index"].policy == policy
+
     def test_a_radix_tree_under_fifo_evicts_the_leaf_made_first(self, lab):
         for policy, kept in (("lru", [0]), ("fifo", [100])):
             pool = caching(lab, 4, 2, policy, "radix")
@@ -934,6 +1642,14 @@ class TestPart6cPolicies:
         lab.fuzz(pool, random.Random(seed), 500)
         pool.allocate_many(12)
         assert pool.num_cached == 0 and pool.index.block_of == {}
+
+    @pytest.mark.parametrize("policy", ["fifo", "s3fifo"])
+    def test_a_policys_fields_pickle_as_the_fuzz_snapshots_them(self, lab, policy):
+        pool = caching(lab, 4, 2, policy)
+        for start in (0, 10, 0, 20):
+            lab.Sequence(start, pool, range(start, start + 4)).free()
+        fields = pickle.loads(pickle.dumps(vars(pool)))  # fuzz pickles the pool's fields
+        assert len(fields["index"].policy) == len(pool.index.policy) > 0
 
     def test_fifo_evicts_the_block_cached_first_whatever_its_hits(self, lab):
         fifo = lab.FIFO()
@@ -972,6 +1688,53 @@ class TestPart6cPolicies:
         policy.add([5], 0)
         assert [policy.victim(0) for _ in range(2)] == [0, 5]  # 0's count starts again at 0
 
+
+    def test_fifo_orders_by_insertion_not_by_block_id_or_by_when_a_block_was_freed(self, lab):
+        fifo = lab.FIFO()
+        for block in (3, 1, 2, 0):
+            fifo.insert(block, [block])
+        fifo.add([0, 2], 0)
+        fifo.add([1, 3], 1)
+        assert [fifo.victim(2) for _ in range(4)] == [3, 1, 2, 0]
+
+    def cached(self, policy, block, tokens):
+        policy.insert(block, tokens)
+        policy.add([block], 0)
+
+    def to_main(self, policy, block, tokens):
+        """block, cached with tokens a victim left in the ghost queue: it starts in main."""
+        self.cached(policy, block + 1000, tokens)
+        assert policy.victim(0) == block + 1000
+        self.cached(policy, block, tokens)
+        assert block in policy.main
+
+    def test_s3fifo_takes_the_victim_from_small_while_it_holds_10_percent(self, lab):
+        policy = lab.S3FIFO()
+        for block in range(9):
+            self.to_main(policy, block, [block])
+        self.cached(policy, 50, [50])  # 1 of 10 in small: 10%
+        assert policy.victim(0) == 50
+        self.to_main(policy, 9, [9])
+        self.cached(policy, 51, [51])  # 1 of 11 in small: below 10%, main's head goes
+        assert policy.victim(0) == 0 and 51 in policy.small
+
+    def test_s3fifo_a_block_hit_once_while_new_still_leaves_from_small(self, lab):
+        policy = lab.S3FIFO()
+        self.cached(policy, 0, [0])
+        policy.remove([0])  # in use again once: 1 hit
+        policy.add([0], 0)
+        self.cached(policy, 1, [1])
+        assert policy.victim(0) == 0 and (0,) in policy.ghost and 1 in policy.small
+
+    def test_s3fifo_gives_a_main_block_hit_since_another_round(self, lab):
+        policy = lab.S3FIFO()
+        self.to_main(policy, 5, [5])
+        self.to_main(policy, 6, [6])
+        policy.remove([5])  # a hit: 5 is back at main's tail, with 1
+        policy.add([5], 0)
+        self.to_main(policy, 7, [7])
+        assert list(policy.main) == [6, 5, 7]
+        assert [policy.victim(0) for _ in range(3)] == [6, 7, 5]  # 5 went round once
 
 class TestPart6CacheSection:  # the cache section is written for you: it runs once 6c is done
 
@@ -2017,6 +2780,32 @@ def step_outcomes(step_runs):
     return outcomes, folder
 
 
+def num_free_by_num_used(pool):
+    return pool.num_blocks - pool.num_used
+
+
+def num_free_by_counting(pool):  # given back, never used, kept by a cache (Part 6)
+    return len(pool.free_block_ids) + pool.num_blocks - pool.next_unused + len(pool.audit_kept())
+
+
+NUM_FREE_WAYS = {"num_blocks - num_used": num_free_by_num_used,
+                 "the free blocks counted": num_free_by_counting}  # both correct: Part 1's rule
+
+
+def with_num_free(source, way):
+    """source with BlockAllocator.num_free's body (its docstring kept) returning what way does."""
+    cls = next(node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == "BlockAllocator")
+    method = next(node for node in cls.body
+                  if isinstance(node, ast.FunctionDef) and node.name == "num_free")
+    body = method.body[1:] if ast.get_docstring(method) is not None else method.body
+    code = ast.unparse(ast.parse(inspect.getsource(way)).body[0].body[-1])
+    lines = source.splitlines(keepends=True)
+    indent = " " * body[0].col_offset
+    lines[body[0].lineno - 1:method.end_lineno] = [indent + code.replace("pool.", "self.") + "\n"]
+    return "".join(lines)
+
+
 class TestTheLabsShape:
 
     def test_parts_1_to_3_use_no_name_defined_in_a_later_part(self, lab):
@@ -2086,27 +2875,37 @@ class TestTheLabsShape:
         assert [*bodies.values()].count(["raise NotImplementedError"]) == inside.count(
             ["raise NotImplementedError"])
 
-    def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(self, tmp_path):
-        path = tmp_path / "mine.py"
-        source = LAB_FILE.read_text()
-        line = "return self.num_blocks - self.num_used"
-        assert line in source
-        path.write_text(source.replace(line, "return self.num_blocks - len(self.ref_cnt)"))
-        run = subprocess.run([sys.executable, str(path), "pitfalls"], capture_output=True,
-                             text=True, check=False)
-        assert run.stdout.count("caught after") == 4 and "NOT CAUGHT" not in run.stdout
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)
+    def test_the_pitfalls_are_caught_whichever_correct_way_num_free_is_written(
+            self, lab, capsys, monkeypatch, way):
+        monkeypatch.setattr(lab.BlockAllocator, "num_free", property(NUM_FREE_WAYS[way]))
+        lab.demo_pitfalls(16, None)
+        lab.run_checks(16, None)
+        out = capsys.readouterr().out
+        assert out.count("caught after") == 4 and "NOT CAUGHT" not in out and " ok" in out
+        for index, policy in (("hash", "lru"), ("hash", "s3fifo"), ("radix", "lru")):
+            pool = lab.PrefixCachingAllocator(12, 2, policy, index)  # blocks kept: in no list
+            lab.fuzz(pool, random.Random(1), 300)
+            assert pool.num_free == 12
 
     @pytest.mark.skipif(LAB_FILE.name != "solution.py", reason="checks the reference's README")
-    def test_the_break_it_answers_are_what_the_checks_print(self, lab, tmp_path):
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)
+    def test_the_break_it_answers_are_what_the_checks_print(self, lab, tmp_path, way):
         readme = (HERE / "README.md").read_text()
-        tasks = re.findall(r"replace `(.+?)` with `(.+?)`.*?\n.*?stops with `(.+?)`", readme)
-        assert len(tasks) == 4 and [(line, bug) for line, bug, _ in tasks] == [
+        tasks = re.findall(r"replace `(.+?)` with `(.+?)`.*?\n.*?stops with `(.+?)`(.*)", readme)
+        assert len(tasks) == 4 and [(line, bug) for line, bug, _, _ in tasks] == [
             (line, bug) for _, _, line, bug in lab.PITFALLS]
-        source = LAB_FILE.read_text()
-        for i, (line, bug, message) in enumerate(tasks):
+        source = with_num_free(LAB_FILE.read_text(), NUM_FREE_WAYS[way])
+        for i, (line, bug, message, rest) in enumerate(tasks):
+            choice = re.match(r", N being (\d+) if your `num_free` is `num_blocks - num_used`, "
+                              r"(\d+) if it counts", rest)  # the value a learner's choice sets
+            assert ("N" in re.findall(r"\b[A-Z]\b", message)) == (choice is not None)
+            if choice is not None:
+                message = re.sub(r"\bN\b", choice.group(1 + list(NUM_FREE_WAYS).index(way)),
+                                 message)
             path = tmp_path / f"bug{i}.py"
             path.write_text(re.sub(rf"^(\s*){re.escape(line)}", lambda m: m.group(1) + bug,
                                    source, count=1, flags=re.MULTILINE))  # the code line
             run = subprocess.run([sys.executable, str(path), "checks"], capture_output=True,
                                  text=True, check=False)
-            assert run.returncode == 1 and run.stderr.strip().endswith(message)
+            assert run.returncode == 1 and run.stderr.strip().endswith(message), run.stderr
