@@ -185,6 +185,8 @@ class BlockAllocator:
 
     @property
     def num_free(self):
+        """Blocks with no ref-count, num_blocks - num_used: a block a cache keeps aside
+        (audit_kept), on no free list, is free too."""
         return self.num_blocks - self.num_used
 
     def ensure_free(self, n):
@@ -276,7 +278,7 @@ class BlockAllocator:
         return self.share(block)
 
     def audit_kept(self):
-        """The free blocks a cache keeps aside: none."""
+        """The free blocks a cache keeps aside, as a list: [] here."""
         return []
 
 
@@ -322,7 +324,9 @@ class Sequence:
     block_table (a BlockTable), is_freed. Refusals, changing nothing: TypeError for an
     allocator that is not a BlockAllocator, tokens not iterable, a token that is not an int
     (a bool is not); ValueError for a token below 0, and for any use of a freed sequence
-    (append, extend, read, fork, free), whose block table is empty (its tokens stay)."""
+    (append, extend, read, fork, free), whose block table is empty (its tokens stay). A prompt
+    starts from the blocks pool.share_cached_prefix shares; with no tokens, it asks the pool
+    nothing (share_prefix makes one, and may then be refused)."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -343,7 +347,9 @@ class Sequence:
     def append(self, token):
         """Add one token (a decode step): a new block exactly when the last is full, a private
         copy of a shared last block. Example: block_size 4, tokens [5, 6, 7, 8] in table [3]:
-        append(9) takes a free block, say 0 (table [3, 0]), and writes 9 at slot 0 * 4 + 0."""
+        append(9) takes a free block, say 0 (table [3, 0]), and writes 9 at slot 0 * 4 + 0. A
+        block it fills is reported once written: pool.cache_blocks(table, tokens, k, k + 1,
+        decode=True)."""
         if self.is_freed or type(token) is not int or token < 0:
             self._check_live()
             check_tokens([token])
@@ -368,7 +374,8 @@ class Sequence:
 
     def _prefill(self, token_ids):
         """Make room (new blocks, a copy of a shared last block), write each block's run of
-        tokens with one slice, then report the blocks that filled. Pitfall 3 of Part 4 edits
+        tokens with one slice, then report the blocks that filled in one pool.cache_blocks call
+        (decode False). Pitfall 3 of Part 4 edits
         `num_new = cdiv(end, size) - len(table)`."""
         pool, table, n = self.allocator, self.block_table, len(self)
         size, end = pool.block_size, n + len(token_ids)
@@ -395,8 +402,9 @@ class Sequence:
         return share_prefix(self, seq_id)
 
     def free(self):
-        """Release every block, tail first (NOTE: as vLLM's free queue and nano-vllm do, so a
-        prefix cache evicts a suffix before the prefix others are likelier to share)."""
+        """Release every block, tail first, in one pool.free_blocks call (a prefix cache hears one
+        release a table). NOTE: tail first as vLLM's free queue and nano-vllm do, so a prefix cache
+        evicts a suffix before the prefix others are likelier to share."""
         self._check_live()
         self.allocator.free_blocks(self.block_table[::-1])
         self.block_table.clear()
@@ -516,8 +524,9 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence (else
     "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
     (share_prefix), "raw share" (the pool shares a last block while its sequence appends, then frees
-    it), "free" and "refused"; all are freed at the end. A small vocab and prompts cut from earlier
-    ones make shared and cached prefixes common."""
+    it), "free" and "refused"; all are freed at the end. At most max_live live at once (a create,
+    fork or share past that frees one); none live, the op is a create. A small vocab and prompts
+    cut from earlier ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -702,7 +711,8 @@ def written_share(pool):
 
 
 def demo_memory(block_size, seed):
-    """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed)."""
+    """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed); then the
+    share of the slots in use written (written_share) and the blocks left free, each way."""
     naive_pool, paged_pool = (BlockAllocator(POOL_TOKENS // block_size, block_size) for _ in (0, 1))
     request = random_tokens(random.Random(0 if seed is None else seed), ACTUAL_LEN)
     naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
@@ -825,7 +835,8 @@ class HashIndex:
     """vLLM's index: block_of, block hash -> its cached blocks, oldest first (vLLM's
     cached_block_hash_to_block); block_hash, every cached block -> its hash; the evictable blocks
     and victims are policy's (a POLICIES name, or an object). Every index has the events match,
-    lock, insert, release, evict(n), check; holds(block); len: the evictable blocks."""
+    lock, insert, release, evict(n), check; holds(block); len: the evictable blocks. Its fields
+    pickle (the fuzz snapshots the pool's fields): a policy object too, so no lambda in one."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
@@ -1042,7 +1053,8 @@ class RadixIndex:
         c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unused leaf
         b, c freed; d = [20 .. 25] evict(3): [7 8], touched before c's leaf; then its parent
     State: root; node_of, block -> node; free, its blocks nobody uses (SGLang's evictable_size_);
-    leaves, a LazyHeap of the unused leaves by (priority, id); clock, touches so far."""
+    leaves, a LazyHeap of the unused leaves by (priority, id); clock, touches so far. Its fields
+    pickle (the fuzz snapshots the pool's fields): policy is the name, never the function."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:

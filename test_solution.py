@@ -2407,8 +2407,8 @@ class TestPart12Fleet:
                                             "output_length": 8, "hash_ids": [2 * i, 2 * i + 1]})
                                 + "\n" for i in range(3)))
         lab.demo_fleet(str(path), None)
-        assert re.search(r"^   Algorithm 1: queue \+ prefill +0\.0% .* - +-$", capsys.readouterr().out,
-                         re.MULTILINE)
+        out = capsys.readouterr().out
+        assert re.search(r"^   Algorithm 1: queue \+ prefill +0\.0% .* - +-$", out, re.MULTILINE)
 
     @needs_traces
     def test_the_first_1000_conversation_requests_replay(self, lab):
@@ -2574,8 +2574,8 @@ class TestPart13Hybrid:
                 try:
                     if op == "create" and len(live) < 4:
                         past = rng.choice(seen)
-                        tokens = past[:rng.randint(0, len(past))] + [rng.randrange(3) for _ in
-                                                                     range(rng.randint(0, 3 * size))]
+                        fresh = [rng.randrange(3) for _ in range(rng.randint(0, 3 * size))]
+                        tokens = past[:rng.randint(0, len(past))] + fresh
                         live[step] = lab.HybridSequence(step, pool, tokens, windows)
                     elif op in ("append", "create") and live:
                         live[rng.choice(sorted(live))].append(rng.randrange(3))
@@ -2650,8 +2650,9 @@ class TestCommandLine:
         calls = []
         monkeypatch.setitem(lab.SECTIONS, "hello", lambda block_size, seed: calls.append(
             (block_size, seed)))
-        monkeypatch.setitem(lab.TRACED, "replay", (lambda path, limit, block_size, seed: calls.append(
-            (path, limit, block_size, seed)), ("--block-size", "--seed")))
+        monkeypatch.setitem(lab.TRACED, "replay", (lambda path, limit, block_size, seed:
+                                                    calls.append((path, limit, block_size, seed)),
+                                                    ("--block-size", "--seed")))
         lab.main(["hello", "--seed", "3"])
         lab.main(["replay", "t.jsonl", "--requests", "5", "--seed", "2"])
         assert calls == [(16, 3), ("t.jsonl", 5, 16, 2)]
