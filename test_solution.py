@@ -635,6 +635,46 @@ class Twice:
 
 class TestPart4Checks:
 
+    def hybrid(self, lab, cached=False, block_size=2):  # Part 13's, as check_invariants reads it
+        pool = (lab.PrefixCachingAllocator if cached else lab.BlockAllocator)(32, block_size)
+        if cached:
+            lab.HybridSequence("old", pool, range(9), [None, 3]).free()
+        seq = lab.HybridSequence("h", pool, range(9), [None, 3])  # tables of 5 blocks
+        return pool, seq
+
+    @pytest.mark.parametrize("cached, appended", [(False, 0), (False, 3), (True, 0), (True, 1)])
+    def test_check_invariants_passes_hybrid_sequences_behind_their_windows(
+            self, lab, cached, appended):
+        pool, seq = self.hybrid(lab, cached)
+        for token in range(appended):
+            seq.append(token)
+        lab.check_invariants(pool, [seq])  # the cached run: 8 tokens hit, 3 blocks behind
+        assert seq.block_tables[1].count(None) == {(False, 0): 0, (False, 3): 4, (True, 0): 3,
+                                                   (True, 1): 3}[cached, appended]
+
+    def test_check_invariants_counts_no_block_behind_a_window_before_one_is_computed(self, lab):
+        pool, seq = self.hybrid(lab, block_size=1)  # 9 tokens, no hit: the window keeps all 9
+        lab.check_invariants(pool, [seq])
+        assert seq.block_tables[1] == list(range(9, 18))
+
+    @pytest.mark.parametrize("corrupt", ["held behind", "lost inside", "slot", "short"])
+    def test_check_invariants_finds_a_hybrid_sequence_that_breaks_its_window(self, lab, corrupt):
+        pool, seq = self.hybrid(lab)
+        for token in range(3):
+            seq.append(token)  # window group: [None] * 4 + [block]; 12 tokens, n 11
+        window = seq.block_tables[1]
+        if corrupt == "held behind":
+            window[0] = pool.allocate()
+        elif corrupt == "lost inside":
+            pool.free(window[-1])
+            window[-1] = None
+        elif corrupt == "slot":
+            pool.kv_cache.slots[window[-1] * 2 + 1] = 99  # token 11 reads back wrong
+        else:
+            pool.free(window.pop())
+        with pytest.raises(AssertionError):
+            lab.check_invariants(pool, [seq])
+
     def test_check_invariants_names_each_broken_invariant(self, lab):
         pool = lab.BlockAllocator(8, 4)
         a = lab.Sequence("a", pool, range(6))
@@ -662,7 +702,7 @@ class TestPart4Checks:
     def test_random_operations_against_a_list_model(self, lab, block_size, seed):
         counts = lab.fuzz(lab.BlockAllocator(10, block_size), random.Random(seed), 600)
         ops = {"create", "append", "extend", "fork", "share", "raw share", "free", "refused"}
-        assert ops <= set(counts)
+        assert ops <= set(counts) and sum(counts.values()) == 600  # each op counted once
 
     @pytest.fixture
     def reordering(self, lab, monkeypatch):
@@ -741,6 +781,8 @@ class TestPart4Checks:
         lab.demo_pitfalls(16, None)
         out = capsys.readouterr().out
         assert out.count("caught after") == 4 and "NOT CAUGHT" not in out
+        assert [f"\n{n}. {name}, in " in out for n, (name, *_) in enumerate(lab.PITFALLS, 1)] == [
+            True] * 4  # numbered from 1, as Break it names them
         assert before == [getattr(method, "__code__", None) for _, method, _, _ in lab.PITFALLS]
         lab.run_checks(16, None)  # the real classes still pass
 
