@@ -481,12 +481,12 @@ def audit(pool):
 
 def check_invariants(allocator, sequences):
     """Raise AssertionError naming the first broken invariant: "counts" or "free list" (audit),
-    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones,
-    a Sequence or a sequence with block_tables and windows (Part 13: a table per group, None
-    where a block left the window; each group reads back the tokens its window keeps)."""
+    "block count", "read-back", "ref-count != block-table references", "window"; sequences: all
+    live ones (one listed twice counts once): Sequences, or Part 13's, a table per group, None
+    where a block left the window, each group reading back the tokens its window keeps."""
     audit(allocator)
     references, size = Counter({block: 0 for block in allocator.ref_cnt}), allocator.block_size
-    for seq in (seq for seq in sequences if not seq.is_freed):
+    for seq in {id(seq): seq for seq in sequences if not seq.is_freed}.values():  # each once
         tables = [seq.block_table] if isinstance(seq, Sequence) else seq.block_tables
         for table in tables:
             held, need = len(table), cdiv(len(seq.tokens), size)

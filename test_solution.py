@@ -642,6 +642,14 @@ class TestPart4Checks:
         seq = lab.HybridSequence("h", pool, range(9), [None, 3])  # tables of 5 blocks
         return pool, seq
 
+    def test_check_invariants_counts_a_sequence_listed_twice_once(self, lab):
+        pool = lab.BlockAllocator(8, 2)
+        seq = lab.Sequence("a", pool, [1, 2, 3])
+        lab.check_invariants(pool, [seq, seq])  # the same table, not two references
+        pool.share(seq.block_table[0])  # a reference no table holds: still found
+        with pytest.raises(AssertionError):
+            lab.check_invariants(pool, [seq, seq])
+
     @pytest.mark.parametrize("cached, appended", [(False, 0), (False, 3), (True, 0), (True, 1)])
     def test_check_invariants_passes_hybrid_sequences_behind_their_windows(
             self, lab, cached, appended):
