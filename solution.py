@@ -2587,10 +2587,9 @@ class HybridSequence:
     block) exactly when i < skipped_tokens(W, n) // block_size, n = num_cached_tokens before any
     append, len(tokens) - 1 after (vLLM's remove_skipped_blocks). Block size 16, windows [None,
     32], 111 tokens: tables of 7; append frees window blocks 4..0. State: seq_id, allocator,
-    windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens, hashes (chained),
-    is_freed. Refusals, changing nothing: Sequence's; ValueError for windows not a non-empty list
-    of None or ints >= 1, a caching pool off the hash index; OutOfBlocksError. NOTE: no fork or
-    copy-on-write: vLLM v1 shares full blocks only."""
+    windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens, hashes, is_freed.
+    Refusals, changing nothing: Sequence's; ValueError for windows not a non-empty list of None
+    or ints >= 1, a pool off the hash index; OutOfBlocksError. NOTE: no fork (vLLM v1 has none)."""
 
     def __init__(self, seq_id, pool, tokens, windows):
         if not isinstance(pool, BlockAllocator):
