@@ -2572,8 +2572,7 @@ def demo_fig10(requests, name):
 # group, a window group frees the blocks behind its window, a hit must serve every group.
 
 
-def skipped_tokens(window, n):
-    """vLLM's get_num_skipped_tokens: max(0, n - W + 1), 0 for None (full). W 4, n 7 -> 4."""
+def skipped_tokens(window, n):  # vLLM's get_num_skipped_tokens; 0 for full. W 4, n 7 -> 4: 0..3
     return 0 if window is None else max(0, n - window + 1)
 
 
@@ -2589,7 +2588,8 @@ class HybridSequence:
     32], 111 tokens: tables of 7; append frees window blocks 4..0. State: seq_id, allocator,
     windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens, hashes, is_freed.
     Refusals, changing nothing: Sequence's; ValueError for windows not a non-empty list of None
-    or ints >= 1, a pool off the hash index; OutOfBlocksError. NOTE: no fork (vLLM v1 has none)."""
+    or ints >= 1, a pool off the hash index; OutOfBlocksError. NOTE: no fork, so no copy-on-write:
+    vLLM v1 shares full blocks only."""
 
     def __init__(self, seq_id, pool, tokens, windows):
         if not isinstance(pool, BlockAllocator):
@@ -2626,16 +2626,16 @@ class HybridSequence:
             self._cache(k)
 
     def _find_hit(self):
-        """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens (vLLM's
-        HybridKVCacheCoordinator): a window W needs cdiv(W - 1, block_size) blocks before the end,
-        found from the right, full attention all; each may shorten the hit until none does. NOTE:
-        vLLM finds a full-attention hit from the left, the same; it caches no window-1 block."""
+        """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens, as vLLM's
+        HybridKVCacheCoordinator: from the right, W needs cdiv(W - 1, block_size) blocks before
+        the end, full attention all, until none shortens it. NOTE: vLLM caches no window-1 block."""
         index, size, hit = self.allocator.index, self.allocator.block_size, 0
         end = max(0, len(self.tokens) - 1) // size  # NOTE: vLLM recomputes the last token
         while hit != end:  # NOTE: vLLM looks up groups of one window together: the same hit
             hit = end
             for g, window in enumerate(self.windows):
-                need, run = end if window is None else cdiv(window - 1, size), 0
+                need, run = end if window is None else cdiv(window - 1, size), 0  # NOTE: vLLM
+                # scans full attention from the left; the longest run from block 0 is the same
                 for k in range(end - 1, -1, -1):
                     cached = group_key(self.hashes[k], g) in index.block_of
                     run = run + 1 if cached else 0
