@@ -165,7 +165,7 @@ class BlockAllocator:
     out; next_unused, the blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies,
     copies made. Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is
     not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not in
-    0..num_blocks - 1 (refcount, read, copy_block too) or, to share or free, not in use;
+    0..num_blocks - 1 (refcount, read, copy_block too) or, to share, free or copy, not in use;
     OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every block in
     its free_block_queue at start-up; next_unused makes a new pool O(1) at any size."""
 
@@ -190,7 +190,8 @@ class BlockAllocator:
         return self.num_blocks - self.num_used
 
     def ensure_free(self, n):
-        """Raise OutOfBlocksError unless n blocks are free: the check of check-then-act."""
+        """Raise OutOfBlocksError unless n blocks are free: the check of check-then-act (any int n:
+        n <= 0 passes; only allocate_many refuses n below 0)."""
         if n > self.num_free:
             raise OutOfBlocksError(f"need {n} block(s), {self.num_free} of {self.num_blocks} free")
 
@@ -227,7 +228,8 @@ class BlockAllocator:
         return blocks
 
     def free(self, block):
-        """Drop one reference; the block becomes free only when none is left."""
+        """Drop one reference; the block becomes free only when none is left. Through
+        free_blocks([block]), which a prefix cache (Part 6) overrides."""
         self.free_blocks([check_block(self, block)])
 
     def free_blocks(self, blocks):

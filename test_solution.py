@@ -252,6 +252,14 @@ class TestPart1Pool:
         refused(lambda: pool.copy_block(block), ValueError, pool)
         assert pool.num_copies == 0
 
+    def test_share_blocks_takes_a_block_a_cache_keeps_aside(self, lab):
+        pool = lab.BlockAllocator(4, 2)
+        block = pool.allocate()
+        assert pool.unref([block]) == [block] and block not in pool.free_block_ids  # kept aside
+        assert pool.share_blocks([block]) == [block] and pool.refcount(block) == 1
+        pool.free(block)
+        assert pool.refcount(block) == 0 and pool.free_block_ids == [block]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 2: block tables and sequences
