@@ -526,7 +526,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence (else
     "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
     (share_prefix), "raw share" (the pool shares a last block while its sequence appends, then frees
-    it), "free" and "refused"; all are freed at the end. At most max_live live at once (a create,
+    it; the block must read back unchanged, else "copy-on-write: ..."), "free" and "refused"; all
+    are freed at the end. At most max_live live at once (a create,
     fork or share past that frees one); none live, the op is a create. A small vocab and prompts
     cut from earlier ones make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
@@ -613,7 +614,8 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
 
 
 def run_checks(block_size, seed):
-    """The checks at sizes 1, 3 and block_size: block boundary, sharing, fuzz (seeds i + seed)."""
+    """The checks at sizes 1, 3 and block_size (sorted, each once): block boundary, sharing, then
+    fuzz on a 12-block pool, 100 operations at the i-th size, random.Random(i + seed) (None: 0)."""
     sizes = sorted({1, 3, block_size})  # the block sizes checked
     print("== correctness checks ==")
     print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
@@ -732,7 +734,8 @@ def demo_memory(block_size, seed):
 
 def system_prompt_requests(pool, share, seed):
     """NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN tokens of
-    their own; with share, through share_prefix of one system sequence. Returns the pool."""
+    their own; with share, through share_prefix of one system sequence. Either way
+    check_invariants on all of them, then returns the pool."""
     rng = random.Random(seed)
     system = random_tokens(rng, SYSTEM_LEN)
     users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
@@ -748,8 +751,9 @@ def system_prompt_requests(pool, share, seed):
 
 
 def demo_sharing(block_size, seed):
-    """NUM_REQUESTS requests with and without share_prefix (seed 1), then b = a.fork('b') appends
-    to a's partly full last block: the line says "divergence forked block" ("new block" if a's
+    """NUM_REQUESTS requests with and without share_prefix (seed 1), each way on a POOL_TOKENS pool
+    (OutOfBlocksError if they do not fit); then b = a.fork('b') appends to a's partly full last
+    block, and check_invariants: the line says "divergence forked block" ("new block" if a's
     blocks are full, "WROTE IN PLACE" if it wrote in place), with block maps before and after."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)

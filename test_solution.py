@@ -804,7 +804,8 @@ class TestPart4Checks:
 
     @pytest.mark.parametrize("corrupt, message", [
         ("references counted", "counts"), ("listed free twice", "free list"),
-        ("listed free in use", "free list"), ("free, listed nowhere", "free list")])
+        ("listed twice, none missing", "free list"), ("listed free in use", "free list"),
+        ("free, listed nowhere", "free list")])
     def test_the_audit_names_a_count_or_a_free_list_that_is_wrong(self, lab, corrupt, message):
         class Counting(lab.BlockAllocator):  # pitfall 4: num_used counts references
             num_used = property(lambda self: sum(self.ref_cnt.values()))
@@ -816,6 +817,8 @@ class TestPart4Checks:
             pool.share(a)
         elif corrupt == "free, listed nowhere":
             pool.free_block_ids.remove(b)  # never handed out again
+        elif corrupt == "listed twice, none missing":  # the set of blocks listed is still right
+            pool.free_block_ids.append(b)
         else:  # b or a in use listed too, block 3 taken: the count of the listed still agrees
             pool.free_block_ids.append(b if corrupt == "listed free twice" else a)
             pool.next_unused += 1
@@ -1064,15 +1067,21 @@ class TestPart5Demos:
         with pytest.raises(AssertionError, match="ref-count"):
             lab.demo_sharing(16, None)
 
+    @pytest.mark.parametrize("share", [True, False])
     def test_the_system_prompt_requests_are_checked_against_the_invariants(self, lab,
-                                                                          sequences):
+                                                                          sequences, share):
         class Leaky(lab.Sequence):  # each extend keeps one more reference to its first block
             def extend(self, tokens):
                 super().extend(tokens)
                 self.allocator.share(self.block_table[0])
+
+            def __init__(self, seq_id, allocator, tokens=()):
+                super().__init__(seq_id, allocator, tokens)
+                if len(self.block_table) > 0:  # a prompt of its own: the same leak
+                    allocator.share(self.block_table[0])
         sequences(Leaky)
         with pytest.raises(AssertionError, match="ref-count"):
-            lab.system_prompt_requests(lab.BlockAllocator(4096, 16), True, 1)
+            lab.system_prompt_requests(lab.BlockAllocator(4096, 16), share, 1)
 
     @pytest.mark.parametrize("block_size", [16, 3])
     def test_the_sharing_demo_shows_the_block_maps_before_and_after_the_copy(self, lab, capsys,
