@@ -523,13 +523,12 @@ def random_tokens(rng, n, vocab=32_000):
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
-    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence (else
-    "atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
-    (share_prefix), "raw share" (the pool shares a last block while its sequence appends, then frees
-    it; the block must read back unchanged, else "copy-on-write: ..."), "free" and "refused"; all
-    are freed at the end. At most max_live live at once (a create,
-    fork or share past that frees one); none live, the op is a create. A small vocab and prompts
-    cut from earlier ones make shared and cached prefixes common."""
+    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence
+    ("atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
+    (share_prefix), "raw share" (the pool shares a last block while its sequence appends: it reads
+    back unchanged, else "copy-on-write: ..."; then frees it), "free", "refused"; all are freed at
+    the end. At most max_live live (past that, a create, fork or share frees one; none live: a
+    create). A small vocab and earlier prompts' prefixes make shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -2348,15 +2347,13 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # 10 neither). Mooncake (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) = l (a n^2 d + b n
 # d^2), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V) x d / gqa x 2
 # bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
-FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA = 80, 8192, 4, 22, 8
-FLEET_FLOPS = 8 * 312e12
+FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA, FLEET_FLOPS = 80, 8192, 4, 22, 8, 8 * 312e12
 FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # ours first, the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
 FETCH_SECONDS = TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S  # a block, fetched
 FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold, unstated: ours 1st
-TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn, "Round-robin is
-# performed within groups of servers of the same load" (its configuration manual)
+TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn (its manual)
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
@@ -2436,8 +2433,7 @@ def schedule_cache_aware(fleet, request, prompt, now):
 
 
 def schedule_ratio(fleet, request, prompt, now):
-    """Fig. 10's local setup (FAST'25 5.3.2, in our words): the highest prefix-match ratio, each
-    instance's own cached prefix over the prompt, load unseen."""
+    """Fig. 10's local setup (FAST'25 5.3.2): the highest ratio of own cached prefix to prompt."""
     return fleet.pick([-fleet.reuse(i, prompt) for i in range(len(fleet.instances))]), None
 
 
@@ -2529,9 +2525,6 @@ def demo_fleet(path, limit):
         print((f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
                f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{moved:>12}"
                + ("" if paper is None else f"{paper:>7.2f} s")).rstrip())
-    best = min(runs, key=lambda s: runs[s].mean_ttft)
-    print(f"   {best} has the least mean TTFT here, {runs[best].mean_ttft:.2f} s; cache_aware's "
-          f"busiest instance did {runs['cache_aware'].busiest_share:.0%} of the work")
     print("   global's mean TTFT at the other prefill efficiencies: " + "; ".join(
         f"at {e:.0%}, {replay_fleet(requests, many, 'global', efficiency=e).mean_ttft:.2f} s"
         for e in FLEET_EFFICIENCIES[1:]))
@@ -2539,8 +2532,7 @@ def demo_fleet(path, limit):
 
 
 def demo_fig10(requests, name):
-    """Fig. 10 on FLEET_SIZES[1] instances: three local setups' hit rate and prefill beside their
-    global ones and Fig. 10's bars (if name is a Mooncake trace), then the one nearest them."""
+    """Fig. 10 on FLEET_SIZES[1] instances: three local setups beside their globals, its bars."""
     few, trace = FLEET_SIZES[1], next((t for t in FIG10 if t.split("&")[0] in name), None)
     ratio, local, overall = (replay_fleet(requests, few, s) for s in ("ratio", "local", "global"))
     one, pooled = (replay_fleet(requests, 1, "load", cache_blocks=blocks)
@@ -2562,12 +2554,8 @@ def demo_fig10(requests, name):
         bar, _, global_bar, _ = FIG10[trace]
         off = {k: max(abs(row[0] - bar), abs(row[2] - global_bar)) for k, row in rows.items()}
         near = min(off, key=off.get)
-        others = ", ".join(f"{off[k]:.1%}" for k in off if k != near)
-        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, at most {off[near]:.1%} off (the "
-                        f"others {others}): one 3M-token cache seeing every request hits "
-                        f"{one.hit_rate:.1%}, the local bar {bar:.1%}; by prefix ratio the busiest "
-                        f"node did {ratio.busiest_share:.0%} of the prefill, its caches hit "
-                        f"{ratio.hit_rate:.1%}"))
+        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, {off[near]:.1%} off at most; by "
+                        f"prefix ratio, the busiest did {ratio.busiest_share:.0%} of the prefill"))
 
 
 # ---------------------------------------------------------------------------------------
