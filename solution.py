@@ -1527,17 +1527,16 @@ class Scheduler:
         while len(queue) + len(self.running) + len(self.preempted) > 0:
             if len(self.running) + len(self.preempted) == 0:
                 step = max(step, queue[0].arrival)  # idle until the next arrival: skip
-            for req_id in sorted(self.preempted, key=lambda r: (self.preempted[r].request.arrival,
-                                                                r)):
-                if not self._fits(len(self.preempted[req_id].tokens)):
+            for r in sorted(self.preempted, key=lambda r: (self.preempted[r].request.arrival, r)):
+                if not self._fits(len(self.preempted[r].tokens)):
                     break  # nobody overtakes them
-                out = self.preempted.pop(req_id)
+                out = self.preempted.pop(r)
                 if out.host_blocks is None:
                     self.stats.recomputed_tokens += len(out.tokens)
-                    seq = Sequence(req_id, self.gpu, out.tokens)
+                    seq = Sequence(r, self.gpu, out.tokens)
                 else:
                     self.stats.swapped_in_blocks += len(out.host_blocks)
-                    seq = swap_in(req_id, out.tokens, out.host_blocks, self.host, self.gpu)
+                    seq = swap_in(r, out.tokens, out.host_blocks, self.host, self.gpu)
                 self._run(out.request, seq, step)
             while len(self.preempted) == 0 and len(queue) > 0 and queue[0].arrival <= step \
                     and self._fits(len(queue[0].prompt)):
@@ -1571,17 +1570,16 @@ class Scheduler:
 
     def _preempt(self, req_id):
         victim, host_blocks = self.running.pop(req_id), None
-        seq = victim.seq
         self.stats.preemptions += 1
-        self.stats.preempted_blocks += len(seq.block_table)
+        self.stats.preempted_blocks += len(victim.seq.block_table)
         if self.policy == "swap":
-            if self.host.num_free < len(seq.block_table):
+            if self.host.num_free < len(victim.seq.block_table):
                 self.stats.host_fallbacks += 1
             else:
-                host_blocks = swap_out(seq, self.host)
+                host_blocks = swap_out(victim.seq, self.host)
                 self.stats.swapped_out_blocks += len(host_blocks)
-        self.preempted[req_id] = Preempted(victim.request, list(seq.tokens), host_blocks)
-        seq.free()
+        self.preempted[req_id] = Preempted(victim.request, list(victim.seq.tokens), host_blocks)
+        victim.seq.free()
 
 
 ALPACA = ("Alpaca", 19.31, 58.45)        # mean prompt / output tokens of the vLLM paper's
@@ -1648,8 +1646,8 @@ def demo_evict(block_size, seed):
           f"{PREFILL_TOKENS_PER_S:,.0f} tokens/s at the peak; a decode step "
           f"{DECODE_STEP_S * 1e3:.1f} ms")
     print(f"1. block size {block_size}, a {HOST_KV_TOKENS // block_size * block_size}-token host "
-          "pool; every request ends with exactly its tokens")
-    print("   policy      preemptions  recomputed  swapped out/in  host full  steps")
+          "pool; every request ends with exactly its tokens\n"
+          "   policy      preemptions  recomputed  swapped out/in  host full  steps")
     for policy in ("recompute", "swap"):
         st = run_policy(policy, block_size, preemption_workload(first), HOST_KV_TOKENS)
         print(f"   {policy:<10}  {st.preemptions:>11}  {st.recomputed_tokens:>10}  "
