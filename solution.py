@@ -275,10 +275,6 @@ class BlockAllocator:
         last * block_size], the last of them maybe partly (a cache keeps full ones); decode: a
         decode step filled the last block (SGLang caches those when the sequence finishes)."""
 
-    def share_tail(self, block):
-        """block, with one more reference (a prefix cache may give a copy instead)."""
-        return self.share(block)
-
     def audit_kept(self):
         """The free blocks a cache keeps aside, as a list: [] here."""
         return []
@@ -428,18 +424,20 @@ class Sequence:
 # ---------------------------------------------------------------------------------------
 # Part 3. Sharing a prefix, and copy-on-write
 # ---------------------------------------------------------------------------------------
-# Sharing costs one ref-count per block and copies nothing. A full block is never written
-# again; a shared, partly full last block would be, by whichever sharer writes first, so
-# append and extend copy a last block whose ref-count is above 1, however it came to be
-# shared (_copy_last_block): the only copy there is. NOTE: the paper's design and vLLM v0's;
-# vLLM v1 has no fork and shares only full blocks, through its prefix cache (Part 6).
+# Sharing costs one ref-count per block. A full block is never written again, so a share that
+# ends inside one gets a copy of it at once. A shared, partly full last block would be written by
+# whichever sharer writes first, so append and extend copy a last block whose ref-count is above
+# 1, however it came to be shared (_copy_last_block): copy-on-write, the paper's design and vLLM
+# v0's. NOTE: vLLM v1 has no fork and shares only full blocks, through its prefix cache (Part 6).
 
 def share_prefix(src, seq_id, num_tokens=None):
     """A new sequence, type(src)(seq_id, pool) with no tokens, whose first num_tokens (default all)
-    are src's, in src's blocks, a partly covered last one got by pool.share_tail. Example: src has
-    20 tokens in [a, b] (block_size 16); share_prefix(src, "x", 18) gives x [a, b], ref-counts 2;
-    who writes b copies it. Refusals, changing nothing: TypeError for a src not a Sequence or a
-    num_tokens not an int; ValueError for num_tokens outside 0..len(src), or a freed src."""
+    are src's, in src's blocks; a partly covered block is shared if it is src's partly full last,
+    copied if full. Example: src has 20 tokens in [a, b] (block_size 16); share_prefix(src, "x",
+    18) gives x [a, b], ref-counts 2, and who writes b copies it; share_prefix(src, "y", 5) gives
+    y [a copy of a]. Refusals, changing nothing: TypeError for a src not a Sequence or a num_tokens
+    not an int; ValueError for num_tokens outside 0..len(src), or a freed src; OutOfBlocksError
+    for a copy with no block free."""
     if not isinstance(src, Sequence):
         raise TypeError(f"src must be a Sequence, got {src!r}")
     if src.is_freed:
@@ -449,7 +447,10 @@ def share_prefix(src, seq_id, num_tokens=None):
         raise ValueError(f"num_tokens {num_tokens} is outside 0..{len(src)} (of {src.seq_id!r})")
     pool, seq = src.allocator, type(src)(seq_id, src.allocator)  # a Sequence like src
     full, partial = divmod(num_tokens, pool.block_size)
-    tail = [pool.share_tail(src.block_table[full])] if partial > 0 else []  # may raise: first
+    tail = []  # the block the share ends inside
+    if partial > 0:
+        block, filled = src.block_table[full], len(src) >= (full + 1) * pool.block_size
+        tail = [pool.copy_block(block) if filled else pool.share(block)]  # may raise: first
     seq.block_table.extend([*pool.share_blocks(src.block_table[:full]), *tail])
     seq.tokens.extend(src.tokens[:num_tokens])
     return seq
@@ -840,7 +841,7 @@ class HashIndex:
     """vLLM's index: block_of, block hash -> its cached blocks, oldest first (vLLM's
     cached_block_hash_to_block); block_hash, every cached block -> its hash; the evictable blocks
     and victims are policy's (a POLICIES name, or an object). Every index has the events match,
-    lock, insert, release, evict(n), check; holds(block); len: the evictable blocks. Its fields
+    lock, insert, release, evict(n), check; len: the evictable blocks. Its fields
     pickle (the fuzz snapshots the pool's fields): a policy object too, so no lambda in one."""
 
     def __init__(self, block_size, policy="lru"):
@@ -883,9 +884,6 @@ class HashIndex:
         self.block_hash[block] = block_hash
         self.block_of.setdefault(block_hash, {})[block] = None
         self.policy.insert(block, token_ids)
-
-    def holds(self, block):
-        return block in self.block_hash
 
     def release(self, blocks, free, now):
         """A table's blocks were freed (free: those nobody references now, tail first); the
@@ -966,10 +964,6 @@ class PrefixCachingAllocator(BlockAllocator):
             self.share_blocks([block])  # the index holds block k's tokens in block: a duplicate
             self.free_blocks([table[k]])
             table[k] = block
-
-    def share_tail(self, block):
-        # NOTE: cached KV is never written: a partly shared block is copied (vLLM v1: never shared)
-        return self.copy_block(block) if self.index.holds(block) else self.share(block)
 
     def audit_kept(self):  # the index checks itself; its evictable blocks count as free
         return self.index.check(self.ref_cnt)
@@ -1153,9 +1147,6 @@ class RadixIndex:
         self.node_of.update(dict.fromkeys(head.blocks, head))
         self.update(node)
         return head
-
-    def holds(self, block):
-        return block in self.node_of
 
     def release(self, blocks, free, now):
         """A table's blocks were freed (tail first; free: those nobody references now). As SGLang's
@@ -1404,7 +1395,7 @@ def cache_vllm_example():
         else:
             live.pop(request).free()
             event = f"request {request} freed"
-        maps.append(" ".join(f"{b}:{pool.refcount(b) or '-'}{'*' if pool.index.holds(b) else ''}"
+        maps.append(" ".join(f"{b}:{pool.refcount(b) or '-'}{'*' if b in pool.index.block_hash else ''}"
                              .ljust(4) for b in range(pool.num_blocks)).rstrip())
         print(f"   t{time_} {event:<32} {maps[-1]}")
     ours = list(live[2].block_table)

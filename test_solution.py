@@ -217,7 +217,6 @@ class TestPart1Pool:
         for bad, exception in (("a", TypeError), (-1, ValueError), (True, TypeError)):
             refused(lambda tokens=(1, bad): pool.share_cached_prefix(list(tokens)), exception, pool)
         block = pool.allocate()
-        assert pool.share_tail(block) == block and pool.refcount(block) == 2
         before = state(pool)
         pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
         assert state(pool) == before
@@ -598,33 +597,33 @@ class TestPart3Sharing:
         refused(lambda: b.append(1), lab.OutOfBlocksError, pool, [a, b])
         refused(lambda: b.extend([1, 2]), lab.OutOfBlocksError, pool, [a, b])
 
-    @pytest.mark.parametrize("num_tokens, tails", [(18, 1), (16, 0), (0, 0), (20, 1), (5, 1)])
-    def test_share_prefix_gets_a_partly_covered_last_block_from_the_pools_share_tail(
-            self, lab, num_tokens, tails):
-        class Copying(lab.BlockAllocator):  # a prefix cache's share_tail gives a copy
-            asked = []
-
-            def share_tail(self, block):
-                self.asked.append(block)
-                return self.copy_block(block)
-        pool = Copying(8, 16)
-        src = lab.Sequence("src", pool, range(20))
+    @pytest.mark.parametrize("num_tokens, shared, copied", [(18, 1, 0), (16, 0, 0), (0, 0, 0),
+                                                          (20, 1, 0), (5, 0, 1), (21, 1, 0)])
+    def test_share_prefix_copies_a_full_block_it_ends_inside_and_shares_a_last_one(
+            self, lab, num_tokens, shared, copied):
+        pool = lab.BlockAllocator(8, 16)
+        src = lab.Sequence("src", pool, range(20))  # [a (16 tokens), b (4)]
+        if num_tokens == 21:  # b fills: a share ending inside it copies it
+            src.extend(range(20, 32))
+            shared, copied, num_tokens = 0, 1, 21
         x = lab.share_prefix(src, "x", num_tokens)
         full = num_tokens // 16
-        assert pool.asked == src.block_table[full:full + tails] and pool.num_copies == tails
+        assert pool.num_copies == copied and x.read() == list(range(num_tokens))
         assert list(x.block_table[:full]) == list(src.block_table[:full])
-        assert len(x.block_table) == full + tails and x.read() == list(range(num_tokens))
+        assert len(x.block_table) == full + shared + copied
         assert [pool.refcount(block) for block in src.block_table] == [
-            2 if k < full else 1 for k in range(2)]
+            2 if k < full + shared else 1 for k in range(len(src.block_table))]
+        x.append(99)  # in place in its copy, or a copy of the shared last block
+        assert src.read() == list(range(len(src))) and pool.num_copies == copied + shared
+        assert x.read() == [*range(num_tokens), 99] and pool.num_used == len(
+            {*src.block_table, *x.block_table})
 
-    def test_a_share_tail_that_does_not_fit_refuses_the_share_whole(self, lab):
-        class Copying(lab.BlockAllocator):
-            def share_tail(self, block):
-                return self.copy_block(block)
-        pool = Copying(2, 4)
-        src = lab.Sequence("src", pool, range(6))
-        refused(lambda: lab.share_prefix(src, "x", 5), lab.OutOfBlocksError, pool, [src])
+    def test_a_copy_that_does_not_fit_refuses_the_share_whole(self, lab):
+        pool = lab.BlockAllocator(2, 4)
+        src = lab.Sequence("src", pool, range(6))  # [full, 2 tokens]: no block free
+        refused(lambda: lab.share_prefix(src, "x", 3), lab.OutOfBlocksError, pool, [src])
         assert list(lab.share_prefix(src, "y", 4).block_table) == [src.block_table[0]]
+        assert list(lab.share_prefix(src, "z", 5).block_table) == src.block_table
 
 
 # ---------------------------------------------------------------------------------------
