@@ -971,22 +971,20 @@ class PrefixCachingAllocator(BlockAllocator):
     def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
         self.free_block_ids += self.index.release(blocks, self.unref(blocks), self.stats.prompts)
 
-    def allocate_many(self, n):  # NOTE: uncached free blocks first; vLLM pops one queue of both
-        self.ensure_free(check_int(n, "n", 0))  # the check, before any eviction
-        self.evict(n)
-        return super().allocate_many(n)
-
-    def evict(self, n):
-        """Evict cached blocks until n free blocks are no cache entry's: the shortfall, as SGLang's
-        evict_from_tree_cache (mem_cache/common.py at 0057abe) and mini-sglang; NOTE: SGLang
-        evicted the whole need, evict(num_tokens), before (at commit 2752c82)."""
-        short = n - (self.num_free - len(self.index))
+    def allocate_many(self, n):
+        """Evict cached blocks until n free blocks are no cache entry's (the shortfall, as SGLang's
+        evict_from_tree_cache, mem_cache/common.py at 0057abe, and mini-sglang; NOTE: SGLang
+        evicted the whole need, evict(num_tokens), at commit 2752c82), then hand them out. NOTE:
+        uncached free blocks go first; vLLM pops one queue of both."""
+        short = check_int(n, "n", 0) - (self.num_free - len(self.index))
+        self.ensure_free(n)  # the check, before any eviction
         if short > 0:
             freed = self.index.evict(short, self.stats.prompts)
             self.stats.evictions += 1
             self.stats.evicted += len(freed)
             self.stats.beyond += len(freed) - short
             self.free_block_ids.extend(reversed(freed))  # the first victim is handed out first
+        return super().allocate_many(n)
 
 
 # 6b. The radix tree ---------------------------------------------------------------------
@@ -1334,14 +1332,11 @@ def demo_cache(block_size, seed):
     x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
     a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
     chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
-    c = Sequence("c", pool, x + y + [7])
     print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
     print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
           "block cache would give b a's KV")
     print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
           f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
-    same = "the same blocks as a's" if c.block_table[:2] == a.block_table else "OTHER BLOCKS"
-    print(f"   c = X+Y+1 token: {plural(pool.hits, 'hit')}, {c.block_table[:2]}: {same}")
     stream = chat_stream(seed)
     print(f"4. under pressure: {len(stream)} chat requests ({CHAT_CONVERSATIONS} conversations x "
           f"{CHAT_TURNS} turns, round robin), LRU")
@@ -1354,7 +1349,7 @@ def demo_cache(block_size, seed):
         pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
         for batch in (stream[i:i + WAITING] for i in range(0, len(stream), WAITING)):
             serve(pool, batch if order == "arrival" else  # SGLang's lpm: the longest match first
-                  sorted(batch, key=lambda request: -pool.index.match(request[0])[1]))
+                  sorted(batch, key=lambda request: -len(pool.index.match(request[0])[0])))
         print(f"   {order:<16} {name:<20} {pool.hits:>5}   {pool.stats.evicted:>13}")
 
 
@@ -1402,9 +1397,9 @@ def cache_vllm_example():
     print(f"   request 2's blocks: ours {ours} ({plural(pool.stats.evicted, 'block')} evicted);")
     print(f"   vLLM's, quoted: {VLLM_TIME_7}, block 3 evicted")
     if ours != VLLM_TIME_7:
-        print("   ours differ: this pool hands out the free blocks no cache entry holds (its "
-              "free list, last in")
-        print("   first out, then never-used ones) before it evicts; vLLM pops one queue of both")
+        print("   ours differ: this pool hands out the free blocks no cache entry holds (its free "
+              "list, last in\n   first out, then never-used ones) before it evicts; vLLM pops one "
+              "queue of both")
     return maps
 
 

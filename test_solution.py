@@ -1832,9 +1832,16 @@ class TestPart6CacheSection:  # the cache section is written for you: it runs on
             assert (pool.hits, pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (
                 int(hits.replace(",", "")), int(evictions), int(freed), int(beyond))
         assert all(f"\n{part}. " in out for part in range(1, 6))  # every part of the section
-        orders = re.findall(r"^   (?:arrival|longest prefix) +hash +(\d+) +(\d+)$", out,
+        orders = re.findall(r"^   (arrival|longest prefix) +(hash|radix) +(\d+) +(\d+)$", out,
                             re.MULTILINE)
-        assert len(orders) == 2 and orders[0] != orders[1]  # the order changes what hits
+        assert len(orders) == 4 and orders[0][2:] != orders[2][2:]  # the order changes what hits
+        for order, index, hits, evicted in orders:  # the longest prefix: the most blocks matched
+            pool = caching(lab, lab.CACHE_POOLS[2] // 16, 16, "lru", index)
+            for i in range(0, len(stream), lab.WAITING):
+                batch = stream[i:i + lab.WAITING]
+                lab.serve(pool, batch if order == "arrival" else sorted(
+                    batch, key=lambda request: -len(pool.index.match(request[0])[0])))
+            assert (pool.hits, pool.stats.evicted) == (int(hits), int(evicted))
 
     def test_a_chat_prompt_is_its_conversation_so_far_and_a_new_question(self, lab):
         stream, n = lab.chat_stream(4), lab.CHAT_CONVERSATIONS  # round robin: turn t at t * n
