@@ -785,9 +785,8 @@ def demo_sharing(block_size, seed):
 # ---------------------------------------------------------------------------------------
 # A server finds shared prefixes by itself: it remembers full blocks, a new prompt reuses the
 # longest run of its leading blocks remembered, and freed cached blocks wait, KV and all, until
-# memory is needed. The pool tells one index of each cache event, once: a prompt's match and
-# its lock, blocks to insert, a release, evict(n), check. Two indexes: vLLM's hash chain evicts
-# a block at a time, as a block policy names (6a, 6c); SGLang's radix tree, whole leaves (6b).
+# memory is needed. The pool tells one index of each event once (the seam): vLLM's hash chain
+# evicts one block at a time, by a block policy (6a, 6c); SGLang's radix tree, whole leaves (6b).
 
 # 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
@@ -838,11 +837,10 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 
 class HashIndex:
-    """vLLM's index: block_of, block hash -> its cached blocks, oldest first (vLLM's
-    cached_block_hash_to_block); block_hash, every cached block -> its hash; the evictable blocks
-    and victims are policy's (a POLICIES name, or an object). Every index has the events match,
-    lock, insert, release, evict(n), check; len: the evictable blocks. Its fields
-    pickle (the fuzz snapshots the pool's fields): a policy object too, so no lambda in one."""
+    """vLLM's index. block_of: hash -> its cached blocks, oldest first (cached_block_hash_to_block);
+    block_hash: cached block -> hash; the evictable blocks and victims are policy's (a POLICIES
+    name, or an object). Every index has the events match, lock, insert, release, evict(n), check;
+    len: the evictable blocks. Its fields pickle (the fuzz snapshots them), a policy's too."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
@@ -990,8 +988,7 @@ class PrefixCachingAllocator(BlockAllocator):
 # 6b. The radix tree ---------------------------------------------------------------------
 
 class LazyHeap:
-    """Items by distinct keys: push(item, key), discard(item), pop() the least, peek() its (key,
-    item). key: item -> key; heap: (key, item) for heapq, old ones skipped, dropped past half."""
+    """Items by key: push(item, key), discard(item), pop() the least, peek() its (key, item)."""
 
     def __init__(self):
         self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
@@ -1123,9 +1120,7 @@ class RadixIndex:
             self.update(self.node_of[block])
         return dups
 
-    def touch(self, node):
-        """The path from node to the root gets the clock's next tick (SGLang's last_access_time,
-        one per walk); returns node."""
+    def touch(self, node):  # its path to the root gets the next tick (SGLang's last_access_time)
         self.clock += 1
         on_path = node
         while on_path is not self.root:
@@ -1147,10 +1142,9 @@ class RadixIndex:
         return head
 
     def release(self, blocks, free, now):
-        """A table's blocks were freed (tail first; free: those nobody references now). As SGLang's
-        cache_finished_req, its path is touched: LRU orders paths by finish. The tree's free
-        blocks stay, evictable; a node a sequence still uses the start of splits there; returns
-        the rest."""
+        """A table's blocks were freed (tail first; free: those nobody references now): as SGLang's
+        cache_finished_req, its path is touched (LRU orders paths by finish). The tree's free blocks
+        stay, evictable (a node still used at its start splits there); returns the rest."""
         deepest = next((self.node_of[block] for block in blocks if block in self.node_of), None)
         if deepest is not None:
             self.touch(deepest)
@@ -1275,8 +1269,7 @@ class S3FIFO(LRU):
             self.main[block] = None  # main's tail
 
 
-POLICIES.update(fifo=FIFO, s3fifo=S3FIFO)  # NOTE: a leaf priority for the tree is FIFO's
-# rule only; S3-FIFO's queues and Part 11's look-ahead rank blocks, not leaves.
+POLICIES.update(fifo=FIFO, s3fifo=S3FIFO)  # NOTE: S3-FIFO's queues rank blocks: no leaf priority
 
 
 # The cache section --------------------------------------------------------------------
@@ -1366,9 +1359,8 @@ def print_two_indexes(pools):
     beyond, freed = (sum(getattr(p.stats, k) for p in pools[1::2]) for k in ("beyond", "evicted"))
     chain, tree = (sum(p.hits for p in pools[i::2]) for i in (0, 1))  # hashed, radix
     print(f"   over these pools whole leaves freed {beyond:,} blocks beyond the need "
-          f"({beyond / max(1, freed):.0%} of those they freed)")
-    print(f"   and hit {tree - chain:+,} blocks against the hash chain "
-          f"({(tree - chain) / max(1, chain):+.1%} of its hits)")
+          f"({beyond / max(1, freed):.0%} of those they freed)\n   and hit {tree - chain:+,} "
+          f"blocks against the hash chain ({(tree - chain) / max(1, chain):+.1%} of its hits)")
 
 
 def cache_vllm_example():
@@ -1390,8 +1382,9 @@ def cache_vllm_example():
         else:
             live.pop(request).free()
             event = f"request {request} freed"
-        maps.append(" ".join(f"{b}:{pool.refcount(b) or '-'}{'*' if b in pool.index.block_hash else ''}"
-                             .ljust(4) for b in range(pool.num_blocks)).rstrip())
+        cells = (f"{b}:{pool.refcount(b) or '-'}{'*' if b in pool.index.block_hash else ''}"
+                 for b in range(pool.num_blocks))
+        maps.append(" ".join(cell.ljust(4) for cell in cells).rstrip())
         print(f"   t{time_} {event:<32} {maps[-1]}")
     ours = list(live[2].block_table)
     print(f"   request 2's blocks: ours {ours} ({plural(pool.stats.evicted, 'block')} evicted);")
