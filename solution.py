@@ -501,8 +501,7 @@ def check_invariants(allocator, sequences):
                    "tokens it was not given")
             continue
         # the window rule, restated: before an append, the cache's tokens were computed
-        n, m = len(seq.tokens), seq.num_prompt_tokens
-        n = n - 1 if n > m else seq.num_cached_tokens
+        n = len(seq.tokens) - 1 if len(seq.tokens) > seq.num_prompt_tokens else seq.num_cached_tokens
         for window, table in zip(seq.windows, tables):
             behind = 0 if window is None else max(0, n - window + 1) // size  # blocks
             expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
