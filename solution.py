@@ -500,8 +500,8 @@ def check_invariants(allocator, sequences):
             expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
                    "tokens it was not given")
             continue
-        # the window rule, restated: before an append, the cache's tokens were computed
-        n = len(seq.tokens) - 1 if len(seq.tokens) > seq.num_prompt_tokens else seq.num_cached_tokens
+        n, m = len(seq.tokens), seq.num_prompt_tokens  # the window rule, restated: the tokens
+        n = n - 1 if n > m else seq.num_cached_tokens  # computed before an append, or the cache's
         for window, table in zip(seq.windows, tables):
             behind = 0 if window is None else max(0, n - window + 1) // size  # blocks
             expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
