@@ -793,11 +793,11 @@ NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's nam
 
 
 def hash_block_tokens(parent_hash, token_ids):
-    """A full block's hash: SHA-256 of the pickled (parent_hash or NONE_HASH, tuple(token_ids)).
-    Example, block_size 4: prompt 1..8 has h0 = hash_block_tokens(None, [1, 2, 3, 4]), h1 =
-    hash_block_tokens(h0, [5, 6, 7, 8]); after 9, 9, 9, 9 the same second block does not hash to h1.
-    NOTE: no token compare on a hit, as vLLM, which seeded Python's hash() at random after
-    GHSA-rm76-4mrf-v9r8 (Jan. 2025), offered SHA-256 from v0.8.3, its default by v0.11."""
+    """A full block's hash: SHA-256 of (parent_hash or NONE_HASH, tuple(token_ids)) pickled at
+    HIGHEST_PROTOCOL. Example, block_size 4: prompt 1..8 has h0 = hash_block_tokens(None,
+    [1, 2, 3, 4]), h1 = hash_block_tokens(h0, [5, 6, 7, 8]); after 9, 9, 9, 9 the same second
+    block does not hash to h1. NOTE: no token compare on a hit, as vLLM (after GHSA-rm76-4mrf-v9r8,
+    Jan. 2025, it seeded hash() at random, offered SHA-256 from v0.8.3, its default by v0.11)."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
     return hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -805,8 +805,8 @@ def hash_block_tokens(parent_hash, token_ids):
 class LRU:
     """A block policy. Told when a block is inserted (cached), when blocks are added to the
     evictable ones (their last reference freed, tail first) or removed from them (in use again),
-    it names the victim; now counts prompts admitted; len and `in`: the evictable blocks. LRU's,
-    least recently added first, is vLLM's free queue: its head goes."""
+    it names the victim; now counts prompts admitted; len and `in`: the evictable blocks, LRU's
+    self.evictable (Part 11 reads it), least recently added first: vLLM's free queue, head first."""
 
     def __init__(self):
         self.evictable = OrderedDict()  # block -> None, least recently added first
@@ -958,8 +958,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
         for k, block in self.index.insert(table, tokens, first, last, self.stats.prompts, decode):
-            self.share_blocks([block])  # the index holds block k's tokens in block: a duplicate
-            self.free_blocks([table[k]])
+            self.share_blocks([block])  # the index's copy of block k's tokens: a duplicate
+            self.free_blocks([table[k]])  # ours goes back as any freed block (its index hears)
             table[k] = block
 
     def audit_kept(self):  # the index checks itself; its evictable blocks count as free
@@ -969,10 +969,10 @@ class PrefixCachingAllocator(BlockAllocator):
         self.free_block_ids += self.index.release(blocks, self.unref(blocks), self.stats.prompts)
 
     def allocate_many(self, n):
-        """Evict cached blocks until n free blocks are no cache entry's (the shortfall, as SGLang's
-        evict_from_tree_cache, mem_cache/common.py at 0057abe, and mini-sglang; NOTE: SGLang
-        evicted the whole need, evict(num_tokens), at commit 2752c82), then hand them out. NOTE:
-        uncached free blocks go first; vLLM pops one queue of both."""
+        """n blocks: an eviction's victims (in the order evicted), the free list's, the never used.
+        It evicts the shortfall, n less the free blocks no cache entry holds, as SGLang's
+        evict_from_tree_cache (mem_cache/common.py at 0057abe) and mini-sglang. NOTE: SGLang evicted
+        the whole need (evict(num_tokens)) at commit 2752c82; vLLM pops one queue of both."""
         short = check_int(n, "n", 0) - (self.num_free - len(self.index))
         self.ensure_free(n)  # the check, before any eviction
         if short > 0:

@@ -1131,6 +1131,23 @@ class TestPart6aHashChain:
         assert lab.hash_block_tokens(h0, [5, 6, 7, 8]) != lab.hash_block_tokens(
             lab.hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8])
         assert len(h0) == 32 and h0 == lab.hash_block_tokens(None, (1, 2, 3, 4))
+        assert h0 == hashlib.sha256(pickle.dumps((bytes(32), (1, 2, 3, 4)),  # NONE_HASH: 32 zeros
+                                                 pickle.HIGHEST_PROTOCOL)).digest()
+
+    @pytest.mark.parametrize("index", ["hash", "radix"])
+    def test_a_range_told_with_a_partly_full_last_block_caches_its_full_blocks_only(self, lab,
+                                                                                   index):
+        pool = caching(lab, 8, index=index)
+        seq = lab.Sequence("s", pool)  # rebuilt by hand, as swap_in does (Part 7)
+        seq.block_table.extend(pool.allocate_many(2))
+        pool.kv_cache.write(seq.block_table[0], 0, [1, 2, 3, 4])
+        pool.kv_cache.write(seq.block_table[1], 0, [5, 6])
+        seq.tokens.extend([1, 2, 3, 4, 5, 6])
+        pool.cache_blocks(seq.block_table, seq.tokens, 0, 2)  # block 1 is partly full
+        seq.extend([7, 8])  # now it is full, and cached as such
+        seq.free()
+        again = lab.Sequence("again", pool, range(1, 10))
+        assert pool.hits == 2 and again.read() == list(range(1, 10))
 
     def test_a_block_computed_twice_is_cached_twice_and_the_oldest_offered(self, lab):
         pool = caching(lab, 2)  # as vLLM v1: both copies under one hash
