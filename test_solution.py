@@ -1101,6 +1101,23 @@ def caching(lab, num_blocks, block_size=4, policy="lru", index="hash"):
     return lab.PrefixCachingAllocator(num_blocks, block_size, policy, index)
 
 
+def hits_after_a_partly_full_range(lab, index):
+    """A table rebuilt by hand, as swap_in does (Part 7), told whole with its last block partly
+    full; that block fills, the sequence is freed, and its tokens come back: the hits."""
+    pool = caching(lab, 8, index=index)
+    seq = lab.Sequence("s", pool)
+    seq.block_table.extend(pool.allocate_many(2))
+    pool.kv_cache.write(seq.block_table[0], 0, [1, 2, 3, 4])
+    pool.kv_cache.write(seq.block_table[1], 0, [5, 6])
+    seq.tokens.extend([1, 2, 3, 4, 5, 6])
+    pool.cache_blocks(seq.block_table, seq.tokens, 0, 2)  # block 1 is partly full
+    seq.extend([7, 8])  # now it is full, and cached as such
+    seq.free()
+    again = lab.Sequence("again", pool, range(1, 10))
+    assert again.read() == list(range(1, 10))
+    return pool.hits
+
+
 class TestPart6aHashChain:
 
     def test_cache_lookup_worked_example(self, lab):
@@ -1134,20 +1151,8 @@ class TestPart6aHashChain:
         assert h0 == hashlib.sha256(pickle.dumps((bytes(32), (1, 2, 3, 4)),  # NONE_HASH: 32 zeros
                                                  pickle.HIGHEST_PROTOCOL)).digest()
 
-    @pytest.mark.parametrize("index", ["hash", "radix"])
-    def test_a_range_told_with_a_partly_full_last_block_caches_its_full_blocks_only(self, lab,
-                                                                                   index):
-        pool = caching(lab, 8, index=index)
-        seq = lab.Sequence("s", pool)  # rebuilt by hand, as swap_in does (Part 7)
-        seq.block_table.extend(pool.allocate_many(2))
-        pool.kv_cache.write(seq.block_table[0], 0, [1, 2, 3, 4])
-        pool.kv_cache.write(seq.block_table[1], 0, [5, 6])
-        seq.tokens.extend([1, 2, 3, 4, 5, 6])
-        pool.cache_blocks(seq.block_table, seq.tokens, 0, 2)  # block 1 is partly full
-        seq.extend([7, 8])  # now it is full, and cached as such
-        seq.free()
-        again = lab.Sequence("again", pool, range(1, 10))
-        assert pool.hits == 2 and again.read() == list(range(1, 10))
+    def test_a_range_told_with_a_partly_full_last_block_caches_its_full_blocks_only(self, lab):
+        assert hits_after_a_partly_full_range(lab, "hash") == 2
 
     def test_a_block_computed_twice_is_cached_twice_and_the_oldest_offered(self, lab):
         pool = caching(lab, 2)  # as vLLM v1: both copies under one hash
@@ -1442,6 +1447,9 @@ def brute_evict(index, n, in_use):
 
 
 class TestPart6bRadixTree:
+
+    def test_a_range_told_with_a_partly_full_last_block_hangs_its_full_blocks_only(self, lab):
+        assert hits_after_a_partly_full_range(lab, "radix") == 2
 
     def test_the_radix_worked_example_step_by_step(self, lab):
         pool = caching(lab, 6, 2, index="radix")
