@@ -238,13 +238,14 @@ class BlockAllocator:
 
     def unref(self, blocks):
         """Drop a reference to each of blocks; returns those left with none, in order, now free
-        (Part 6 keeps some). Pitfall 1 of Part 4 edits `if ref_cnt[block] == 0:`."""
+        (Part 6 keeps some). Pitfall 1 of Part 4 edits `if ref_cnt[block] == 1:`."""
         ref_cnt, unused = self.ref_cnt, []
         for block in blocks:
-            ref_cnt[block] -= 1
-            if ref_cnt[block] == 0:
+            if ref_cnt[block] == 1:  # the last reference
                 del ref_cnt[block]
                 unused.append(block)
+            else:
+                ref_cnt[block] -= 1
         return unused
 
     def refcount(self, block):
@@ -634,7 +635,7 @@ def block_map(allocator, sequences):
 
 # The four classic pitfalls, (name, method, a line of it, the bug): README's "Break it" edits.
 PITFALLS = [
-    ("freeing a shared block", BlockAllocator.unref, "if ref_cnt[block] == 0:",
+    ("freeing a shared block", BlockAllocator.unref, "if ref_cnt[block] == 1:",
      "if True:"),
     ("writing a shared block without copying", Sequence._copy_last_block,
      "self.block_table[-1] = self.allocator.copy_block(shared)", "return shared"),
@@ -1072,21 +1073,21 @@ class RadixIndex:
         return blocks, work
 
     def lock(self, blocks, revived, now):
-        """As SGLang's match_prefix and inc_lock_ref: touch the path, split where the match ends."""
+        """As SGLang's match_prefix and inc_lock_ref: touch the path, then split where the match
+        ends; a match that ends where a node ends stops its decode run growing."""
         self.free.difference_update(revived)
         if len(blocks) > 0:
             node = self.touch(self.node_of[blocks[-1]])
             if len(blocks) - node.depth < len(node.blocks):
                 self.split(node, len(blocks) - node.depth)
             else:
-                node.growing = False  # a decode run another sequence ends in grows no more
+                node.growing = False
 
     def insert(self, table, tokens, first, last, now, decode):
         """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
-        insert: a node for them where they branch off (split if inside a node), unless decode
-        fills grow the node a decode run began (SGLang inserts it when the sequence finishes).
-        A block whose tokens the tree holds there is a duplicate: returns (k, the tree's block)
-        for each, for the pool to swap in, as SGLang frees its own and keeps the tree's."""
+        insert: a node where they branch off (a split inside a node), or decode fills on the node
+        their decode run began (SGLang inserts it at the finish). Block k, if the tree has its
+        tokens there, is a duplicate: returns (k, the tree's block) for each (SGLang frees k)."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:

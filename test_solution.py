@@ -1623,9 +1623,19 @@ class TestPart6bRadixTree:
 
     def test_the_work_of_admission_counts_the_children_looked_up(self, lab):
         pool = caching(lab, 8, 4, index="radix")
-        lab.Sequence("a", pool, range(8))  # the root's children: a miss
-        lab.Sequence("b", pool, range(9))  # one child, then along its run
-        assert pool.stats.work == 2
+        lab.Sequence("a", pool, range(12))  # the root's children: a miss
+        lab.Sequence("b", pool, range(13))  # one child, then along its run of 3 blocks
+        assert pool.stats.work == 2 and pool.hits == 3
+
+    def test_a_touch_gives_every_node_on_the_path_the_same_tick(self, lab):
+        pool = caching(lab, 8, 1, index="radix")
+        tree = pool.index
+        lab.Sequence("a", pool, [1, 2]).free()
+        lab.Sequence("b", pool, [1, 2, 3, 4]).free()  # root -> [1 2] -> [3 4]
+        c = lab.Sequence("c", pool, [1, 2, 3, 4])  # all hits: its lock touches both nodes
+        path = [tree.node_of[c.block_table[0]], tree.node_of[c.block_table[3]]]
+        assert path[1].parent is path[0] and [node.last_access for node in path] == [
+            tree.clock] * 2
 
     def test_a_leaf_priority_the_tree_does_not_know_is_refused(self, lab):
         for policy in ("s3fifo", "optimal", lab.LRU()):
