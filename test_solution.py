@@ -215,7 +215,7 @@ class TestPart1Pool:
         pool = lab.BlockAllocator(4, 2)
         assert pool.share_cached_prefix([1, 2, 3]) == ([], 0) and pool.audit_kept() == []
         for bad, exception in (("a", TypeError), (-1, ValueError), (True, TypeError)):
-            refused(lambda tokens=(1, bad): pool.share_cached_prefix(list(tokens)), exception, pool)
+            refused(lambda tokens=(0, bad): pool.share_cached_prefix(list(tokens)), exception, pool)
         block = pool.allocate()
         before = state(pool)
         pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
