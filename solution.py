@@ -473,21 +473,23 @@ def plural(n, noun, nouns=None):
 
 
 def audit(pool):
-    """The pool's own bookkeeping: num_used counts the blocks with a ref-count, num_free the
-    rest; each free block is listed once (given back, never used, kept by a cache), never in use."""
+    """The pool's own bookkeeping, the free list first: each block with no ref-count is listed
+    once (given back, never used, kept by a cache), none with one; then the counts: num_used is
+    the blocks with a ref-count, num_free the rest."""
+    free = [*pool.free_block_ids, *range(pool.next_unused, pool.num_blocks), *pool.audit_kept()]
+    expect(len(set(free)) == len(free) == pool.num_blocks - len(pool.ref_cnt) and
+           pool.ref_cnt.keys().isdisjoint(free),
+           "free list: a block is listed free twice, or while in use, or missing")
     expect(pool.num_used == len(pool.ref_cnt) and pool.num_free + pool.num_used ==
            pool.num_blocks, f"counts: num_used {pool.num_used}, num_free {pool.num_free}; "
            f"{len(pool.ref_cnt)} of the {pool.num_blocks} blocks hold a ref-count")
-    free = [*pool.free_block_ids, *range(pool.next_unused, pool.num_blocks), *pool.audit_kept()]
-    expect(len(set(free)) == len(free) == pool.num_free and pool.ref_cnt.keys().isdisjoint(free),
-           "free list: a block is listed free twice, or while in use, or missing")
 
 
 def check_invariants(allocator, sequences):
-    """Raise AssertionError naming the first broken invariant: "counts" or "free list" (audit),
-    "block count", "read-back", "ref-count != block-table references", "window"; sequences: all
-    live ones (one listed twice counts once): Sequences, or Part 13's, a table per group, None
-    where a block left the window, each group reading back the tokens its window keeps."""
+    """Raise AssertionError naming the first broken invariant: "free list" or "counts" (audit),
+    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones
+    (one listed twice counts once): Sequences, or Part 13's, a table per group (None where a block
+    left the window), which check their own read-back and windows (check_windows)."""
     audit(allocator)
     references, size = Counter({block: 0 for block in allocator.ref_cnt}), allocator.block_size
     for seq in {id(seq): seq for seq in sequences if not seq.is_freed}.values():  # each once
@@ -500,18 +502,8 @@ def check_invariants(allocator, sequences):
         if isinstance(seq, Sequence):
             expect(seq.read() == seq.tokens, f"read-back: sequence {seq.seq_id!r} reads back "
                    "tokens it was not given")
-            continue
-        n, m = len(seq.tokens), seq.num_prompt_tokens  # the window rule, restated: the tokens
-        n = n - 1 if n > m else seq.num_cached_tokens  # computed before an append, or the cache's
-        for window, table in zip(seq.windows, tables):
-            behind = 0 if window is None else max(0, n - window + 1) // size  # blocks
-            expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
-                   f"window: sequence {seq.seq_id!r} holds a block behind its window of "
-                   f"{window}, or lost one inside it")
-            got = [None if table[i // size] is None else allocator.kv_cache.slots[
-                table[i // size] * size + i % size] for i in range(len(seq.tokens))]
-            expect(got == [None if i // size < behind else t for i, t in enumerate(seq.tokens)],
-                   f"read-back: sequence {seq.seq_id!r} reads back tokens it was not given")
+        else:
+            seq.check_windows()
     for block, refs in references.items():  # every block in use or in a table
         expect(allocator.refcount(block) == refs, f"ref-count != block-table references: "
                f"block {block}: ref-count {allocator.refcount(block)}, references {refs}")
@@ -524,12 +516,13 @@ def random_tokens(rng, n, vocab=32_000):
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
-    each; a refused one (OutOfBlocksError) must change no field of the pool or a live sequence
-    ("atomicity: ..."). Returns a Counter of "create", "append", "extend", "fork", "share"
-    (share_prefix), "raw share" (the pool shares a last block while its sequence appends: it reads
-    back unchanged, else "copy-on-write: ..."; then frees it), "free", "refused"; all are freed at
-    the end. At most max_live live (past that, a create, fork or share frees one; none live: a
-    create). A small vocab and earlier prompts' prefixes make shared and cached prefixes common."""
+    each (a failure: AssertionError); a refused one (OutOfBlocksError) must change no field of the
+    pool or a live sequence ("atomicity: ..."). Returns a Counter of "create", "append", "extend",
+    "fork", "share" (share_prefix), "raw share" (the pool shares a last block while its sequence
+    appends: still in use, it reads back unchanged, else "copy-on-write: ..."; then it is freed),
+    "free", "refused"; all are freed at the end. At most max_live live (past that, a create, fork
+    or share frees one; none live: a create). A small vocab and earlier prompts' prefixes make
+    shared and cached prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -569,8 +562,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
             counts["refused"] += 1
             expect(snapshot() == saved, f"atomicity: a refused {op} changed the pool or a sequence")
         for block, slots in kept:  # the outside holder still reads what it shared; drop it
-            expect(allocator.read(block) == slots, "copy-on-write: an append wrote into a block "
-                   "another holder can see")
+            expect(block in allocator.ref_cnt and allocator.read(block) == slots, "copy-on-write: "
+                   "an append freed or wrote into a block another holder can see")
             allocator.free(block)
         check_invariants(allocator, live.values())
         expect(all(seq.tokens == model[seq_id] for seq_id, seq in live.items()),
@@ -614,8 +607,9 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
 
 
 def run_checks(block_size, seed):
-    """The checks at sizes 1, 3 and block_size (sorted, each once): block boundary, sharing, then
-    fuzz on a 12-block pool, 100 operations at the i-th size, random.Random(i + seed) (None: 0)."""
+    """The checks at sizes 1, 3 and block_size (sorted, each once): block boundary, sharing (at
+    max(3, block_size)), then fuzz on a 12-block pool, 100 operations at the i-th size,
+    random.Random(i + seed) (None: 0)."""
     sizes = sorted({1, 3, block_size})  # the block sizes checked
     print("== correctness checks ==")
     print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
@@ -627,7 +621,7 @@ def run_checks(block_size, seed):
 
 
 def block_map(allocator, sequences):
-    """One line per sequence: "    " and its seq_id in 4 columns, then its block table as
+    """A list of lines, one per sequence: "    " and its seq_id in 4 columns, then its table as
     [block:ref-count] cells, the block right-aligned in 3: "    a   [  0:2][  1:1]"."""
     return [f"    {seq.seq_id!s:<4}" + "".join(f"[{block:>3}:{allocator.refcount(block)}]"
                                              for block in seq.block_table) for seq in sequences]
@@ -752,9 +746,10 @@ def system_prompt_requests(pool, share, seed):
 
 def demo_sharing(block_size, seed):
     """NUM_REQUESTS requests with and without share_prefix (seed 1), each way on a POOL_TOKENS pool
-    (OutOfBlocksError if they do not fit); then b = a.fork('b') appends to a's partly full last
-    block, and check_invariants: the line says "divergence forked block" ("new block" if a's
-    blocks are full, "WROTE IN PLACE" if it wrote in place), with block maps before and after."""
+    (OutOfBlocksError if they do not fit); then a of block_size + max(1, block_size // 4) tokens
+    on an 8-block pool, b = a.fork('b'), b.append(99), and check_invariants: the line says
+    "divergence forked block" ("new block" if a's blocks are full, "WROTE IN PLACE" if it wrote in
+    place), with block maps before and after."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
                      for share in (False, True))
@@ -2649,6 +2644,21 @@ class HybridSequence:
             self.hashes.append(hash_block_tokens(self.hashes[-1] if n >= size else None,
                                                  self.tokens[-size:]))
             self._cache(n // size)
+
+    def check_windows(self):
+        """check_invariants' part: entry i of a table is None exactly when i is behind its window
+        ("window: ..."), and each group reads back the tokens its window keeps ("read-back")."""
+        pool, size, n = self.allocator, self.allocator.block_size, len(self.tokens)
+        n = n - 1 if n > self.num_prompt_tokens else self.num_cached_tokens  # the window rule
+        for window, table in zip(self.windows, self.block_tables):
+            behind = skipped_tokens(window, n) // size  # blocks
+            expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
+                   f"window: sequence {self.seq_id!r} holds a block behind its window of "
+                   f"{window}, or lost one inside it")
+            got = [None if table[i // size] is None else pool.kv_cache.slots[
+                table[i // size] * size + i % size] for i in range(len(self.tokens))]
+            expect(got == [None if i // size < behind else t for i, t in enumerate(self.tokens)],
+                   f"read-back: sequence {self.seq_id!r} reads back tokens it was not given")
 
     def free(self):
         """Release every block, group by group, each table tail first (vLLM's coordinator.free)."""

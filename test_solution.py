@@ -96,6 +96,18 @@ def keeping(lab, num_blocks, block_size=2):
     return Keeping(num_blocks, block_size)
 
 
+def num_free_by_num_used(pool):
+    return pool.num_blocks - pool.num_used
+
+
+def num_free_by_counting(pool):  # given back, never used, kept by a cache (Part 6)
+    return len(pool.free_block_ids) + pool.num_blocks - pool.next_unused + len(pool.audit_kept())
+
+
+NUM_FREE_WAYS = {"num_blocks - num_used": num_free_by_num_used,
+                 "the free blocks counted": num_free_by_counting}  # both correct: Part 1's rule
+
+
 # ---------------------------------------------------------------------------------------
 # Step 1: the block pool
 # ---------------------------------------------------------------------------------------
@@ -801,11 +813,14 @@ class TestPart4Checks:
         assert before == [getattr(method, "__code__", None) for _, method, _, _ in lab.PITFALLS]
         lab.run_checks(16, None)  # the real classes still pass
 
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)
     @pytest.mark.parametrize("corrupt, message", [
         ("references counted", "counts"), ("listed free twice", "free list"),
         ("listed twice, none missing", "free list"), ("listed free in use", "free list"),
         ("free, listed nowhere", "free list")])
-    def test_the_audit_names_a_count_or_a_free_list_that_is_wrong(self, lab, corrupt, message):
+    def test_the_audit_names_a_count_or_a_free_list_that_is_wrong(self, lab, monkeypatch,
+                                                                  corrupt, message, way):
+        monkeypatch.setattr(lab.BlockAllocator, "num_free", property(NUM_FREE_WAYS[way]))
         class Counting(lab.BlockAllocator):  # pitfall 4: num_used counts references
             num_used = property(lambda self: sum(self.ref_cnt.values()))
         pool = (Counting if corrupt == "references counted" else lab.BlockAllocator)(6, 2)
@@ -895,6 +910,24 @@ class TestPart4Checks:
                     super().append(token)
         with pytest.raises(AssertionError, match="copy-on-write"):
             self.fuzz_with(lab, monkeypatch, Blind)
+
+    def test_the_copy_on_write_check_fails_as_a_check_when_the_held_block_was_freed(
+            self, lab, monkeypatch):
+        live = []
+        class Dropping(lab.Sequence):  # copies a last block held outside, then frees it outright
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                live.append(self)
+
+            def append(self, token):
+                pool, offset = self.allocator, len(self) % self.allocator.block_size
+                last = self.block_table[-1] if offset > 0 else None
+                super().append(token)
+                if last is not None and pool.refcount(last) == 1 and not any(
+                        last in seq.block_table for seq in live):
+                    pool.free(last)  # the outside holder's reference: the tables still agree
+        with pytest.raises(AssertionError, match="copy-on-write"):  # not free's ValueError
+            self.fuzz_with(lab, monkeypatch, Dropping)
 
     def test_the_fuzz_frees_every_sequence_at_the_end_and_checks_for_a_leak(self, lab,
                                                                            monkeypatch):
@@ -1005,6 +1038,13 @@ class TestPart5Demos:
         lab.demo_memory(block_size, None)
         out = capsys.readouterr().out
         assert ":   32 sequences" in out and ":   85 sequences   (2.7x)" in out
+
+    def test_the_memory_demo_counts_at_a_block_size_that_divides_no_length(self, lab, capsys):
+        lab.demo_memory(200, None)  # 327 blocks; 11 a request naive, 4 paged
+        out = capsys.readouterr().out
+        assert ":   29 sequences" in out and ":   81 sequences   (2.8x)" in out  # 327 // 11, // 4
+        assert re.search(r"naive 34\.9% \(65\.1%.*paged 96\.0%", out)  # 768 / 2200, / 800
+        assert re.search(r"naive 8, paged 3 .*needs 4 blocks paged, 11 naive", out)
 
     def test_admit_until_full_counts_what_fits(self, lab):
         pool = lab.BlockAllocator(10, 4)
@@ -1356,8 +1396,8 @@ class TestPart6aHashChain:
 
     @pytest.fixture
     def told(self, lab, monkeypatch):
-        """An index "told" in INDEXES: the hash chain, recording each event the pool sends it;
-        its evict frees one block more than asked while it can."""
+        """An index "told" in INDEXES: the hash chain, recording each event the pool sends it
+        (check: counted in checks); its evict frees one block more than asked while it can."""
         events = []
         class Told(lab.HashIndex):
             def match(self, token_ids):
@@ -1380,13 +1420,16 @@ class TestPart6aHashChain:
                 events.append(("evict", n, now))
                 return super().evict(min(n + 1, len(self)), now)
 
-            def check(self, in_use):
-                events.append(("check",))
+            def check(self, in_use):  # not an event: a num_free that counts asks it often
+                self.checks = getattr(self, "checks", 0) + 1
                 return super().check(in_use)
         monkeypatch.setitem(lab.INDEXES, "told", Told)
         return events
 
-    def test_the_pool_tells_its_index_of_each_cache_event_once(self, lab, told):
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)  # counted, num_free asks for audit_kept
+    def test_the_pool_tells_its_index_of_each_cache_event_once(self, lab, monkeypatch, told,
+                                                               way):
+        monkeypatch.setattr(lab.BlockAllocator, "num_free", property(NUM_FREE_WAYS[way]))
         pool = caching(lab, 5, 2, index="told")
         a = lab.Sequence("a", pool, [1, 2, 3])
         assert told in ([("match", [1, 2, 3]), ("lock", [], [], 1),
@@ -1402,9 +1445,9 @@ class TestPart6aHashChain:
         assert [block for event in released for block in event[2]] == [1, 0]
         assert {event[3] for event in released} == {1}
         del told[:]
+        checks = getattr(pool.index, "checks", 0)
         lab.audit(pool)
-        assert told == [("check",)]
-        del told[:]
+        assert told == [] and pool.index.checks > checks
         b = lab.Sequence("b", pool, [1, 2, 7])  # a hit: block 0 revived
         assert told[:2] == [("match", [1, 2, 7]), ("lock", [0], [0], 2)]
         del told[:]
@@ -2887,18 +2930,6 @@ def step_outcomes(step_runs):
             passed = case.find("failure") is None and case.find("error") is None
             outcomes[step].setdefault(case.get("classname").rsplit(".", 1)[-1], []).append(passed)
     return outcomes, folder
-
-
-def num_free_by_num_used(pool):
-    return pool.num_blocks - pool.num_used
-
-
-def num_free_by_counting(pool):  # given back, never used, kept by a cache (Part 6)
-    return len(pool.free_block_ids) + pool.num_blocks - pool.next_unused + len(pool.audit_kept())
-
-
-NUM_FREE_WAYS = {"num_blocks - num_used": num_free_by_num_used,
-                 "the free blocks counted": num_free_by_counting}  # both correct: Part 1's rule
 
 
 def with_num_free(source, way):
