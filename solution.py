@@ -2651,7 +2651,7 @@ class HybridSequence:
         pool, size, n = self.allocator, self.allocator.block_size, len(self.tokens)
         n = n - 1 if n > self.num_prompt_tokens else self.num_cached_tokens  # the window rule
         for window, table in zip(self.windows, self.block_tables):
-            behind = skipped_tokens(window, n) // size  # blocks
+            behind = 0 if window is None else max(0, n - window + 1) // size  # restated
             expect(all((block is None) == (i < behind) for i, block in enumerate(table)),
                    f"window: sequence {self.seq_id!r} holds a block behind its window of "
                    f"{window}, or lost one inside it")
