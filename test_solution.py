@@ -1676,6 +1676,15 @@ class TestPart6bRadixTree:
         heap.discard(3)
         assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
 
+    def test_a_lazy_heap_drops_its_discarded_entries_once_they_outnumber_the_live_ones(self, lab):
+        heap = lab.LazyHeap()
+        for item in range(10):
+            heap.push(item, item)
+        for item in range(1, 10):
+            heap.discard(item)  # 9 stale entries, 1 live: the next push rebuilds
+        heap.push(10, 5)
+        assert len(heap.heap) <= 2 * len(heap) and [heap.pop(), heap.pop()] == [0, 10]
+
     @pytest.mark.parametrize("prompt, exception", [
         ([True, 2, 3], TypeError),  # True == 1: a match by == alone would hit block [1 2]
         ([1, 2, -1], ValueError), ([1, 2, "a"], TypeError), ([1, 2.0, 3], TypeError)])
