@@ -1132,6 +1132,29 @@ class TestPart5Demos:
         assert lines[-2:] == after and lines.index(before[0]) + 1 == lines.index(before[1])
         assert lines.index(before[1]) < len(lines) - 2
 
+    @pytest.mark.parametrize("block_size, line", [  # 3: a's last block holds 1 token of 3
+        (16, "must not write into block 1, which a still reads: b copies it to block 2 first"),
+        (3, "must not write into block 1, which a still reads: b copies it to block 2 first"),
+        (1, "every block is full: b.append(99) takes a new block (0 copies)")])
+    def test_the_sharing_demo_says_which_block_b_copies_or_that_none_needed_copying(
+            self, lab, capsys, block_size, line):
+        lab.demo_sharing(block_size, None)
+        assert line in capsys.readouterr().out
+
+    @pytest.mark.parametrize("seed, memory_seed, sharing_seed", [(None, 0, 1), (5, 5, 5)])
+    def test_the_demos_draw_their_tokens_from_their_default_seed_or_the_one_given(
+            self, lab, sequences, seed, memory_seed, sharing_seed):
+        made = {}  # seq_id -> the tokens of the first sequence made with it
+        class Recorded(lab.Sequence):
+            def __init__(self, seq_id, allocator, tokens=()):
+                made.setdefault(seq_id, tokens := list(tokens))
+                super().__init__(seq_id, allocator, tokens)
+        sequences(Recorded)
+        lab.demo_memory(16, seed)
+        assert made[0] == lab.random_tokens(random.Random(memory_seed), lab.ACTUAL_LEN)
+        lab.demo_sharing(16, seed)
+        assert made["system"] == lab.random_tokens(random.Random(sharing_seed), lab.SYSTEM_LEN)
+
 
 # ---------------------------------------------------------------------------------------
 # Optional steps: the extensions
@@ -1695,6 +1718,15 @@ class TestPart6bRadixTree:
             assert len(heap.heap) <= 2 * len(heap)
         heap.discard(3)
         assert [heap.pop() for _ in range(3)] == [2, 1, 0] and len(heap) == 0
+
+    def test_a_lazy_heap_drops_its_discarded_entries_once_they_outnumber_the_live_ones(self, lab):
+        heap = lab.LazyHeap()
+        for item in range(10):
+            heap.push(item, item)
+        for item in range(1, 10):
+            heap.discard(item)  # 9 stale entries, 1 live: the next push rebuilds
+        heap.push(10, 5)
+        assert len(heap.heap) <= 2 * len(heap) and [heap.pop(), heap.pop()] == [0, 10]
 
     @pytest.mark.parametrize("prompt, exception", [
         ([True, 2, 3], TypeError),  # True == 1: a match by == alone would hit block [1 2]
