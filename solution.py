@@ -2385,13 +2385,13 @@ def schedule_random(fleet, request, prompt, now):
 
 
 def schedule_load(fleet, request, prompt, now):
-    """The least queued work; ties by fleet.pick (so in every scheduler below)."""
+    """The least queued work (ties: fleet.pick, round robin among equals, as below)."""
     return fleet.pick([fleet.queue(i, now) for i in range(len(fleet.instances))]), None
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded replica once the busiest has 64 requests more
-    than the idlest and 1.5x; else the longest prefix routed there, if over 30%; else the least."""
+    """SGLang's and vLLM's routers: the least loaded once the busiest has 64 requests more than the
+    idlest and 1.5x; else the longest prefix routed there if over 30%; else the least. Tie: pick."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
@@ -2405,19 +2405,19 @@ def schedule_cache_aware(fleet, request, prompt, now):
 
 
 def schedule_ratio(fleet, request, prompt, now):
-    """Fig. 10's local setup (FAST'25 5.3.2): the highest ratio of own cached prefix to prompt."""
+    """Fig. 10's local setup (FAST'25 5.3.2): the highest own cached prefix / prompt. Ties: pick."""
     return fleet.pick([-fleet.reuse(i, prompt) for i in range(len(fleet.instances))]), None
 
 
 def schedule_local(fleet, request, prompt, now):
-    """Mooncake's Algorithm 1 with each instance's own prefix: the least queue + prefill."""
+    """Algorithm 1 with each instance's own prefix: the least queue + prefill (ties: pick)."""
     return fleet.pick([fleet.queue(i, now) + fleet.prefill(request.input_length, TRACE_ID_TOKENS
                        * fleet.reuse(i, prompt)) for i in range(len(fleet.instances))]), None
 
 
 def schedule_global(fleet, request, prompt, now):
     """Algorithm 1 (lines 5, 20): the least fetch + queue + prefill, an instance with p blocks of
-    its own fetching the best, b, if b / p > fleet.fetch_ratio (p = 0: any b > 0)."""
+    its own fetching the best, b, if b / p > fleet.fetch_ratio (p = 0: any b > 0). Ties: pick."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
     reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
     i = fleet.pick([(reuse - own) * FETCH_SECONDS + fleet.queue(i, now) + fleet.prefill(
@@ -2524,10 +2524,12 @@ def demo_fig10(requests, name):
               f"{global_seconds:>8.2f} {ratios[0]:>5} {ratios[1]:>8}")
     if trace is not None:  # the setup nearest both hit-rate bars
         bar, _, global_bar, _ = FIG10[trace]
-        off = {k: max(abs(row[0] - bar), abs(row[2] - global_bar)) for k, row in rows.items()}
+        off = {k: sorted([abs(row[0] - bar), abs(row[2] - global_bar)], reverse=True)
+               for k, row in rows.items()}  # the farther bar first; a tie goes by the nearer
         near = min(off, key=off.get)
-        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, {off[near]:.1%} off at most; by "
-                        f"prefix ratio, the busiest did {ratio.busiest_share:.0%} of the prefill"))
+        print(WRAP.fill(f"nearest Fig. 10's hit rates: {near}, {off[near][0]:.1%} and "
+                        f"{off[near][1]:.1%} off; by prefix ratio, the busiest did "
+                        f"{ratio.busiest_share:.0%} of the prefill"))
 
 
 # ---------------------------------------------------------------------------------------
