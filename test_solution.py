@@ -891,20 +891,30 @@ class TestPart4Checks:
         with pytest.raises(AssertionError, match="atomicity"):
             self.fuzz_with(lab, monkeypatch, Staging)
 
-    def test_the_copy_on_write_check_sees_a_write_into_a_block_held_outside_any_table(
-            self, lab, monkeypatch):
-        live = []
-        class Blind(lab.Sequence):  # writes in place a last block no other sequence holds
+    def tracked(self, lab):
+        """A Sequence class listing its instances in live, and naming held_outside: its partly
+        full last block, if no other sequence's table holds it (else None)."""
+        class Tracked(lab.Sequence):
+            live = []
+
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                live.append(self)
+                self.live.append(self)
 
+            def held_outside(self):
+                last = self.block_table[-1] if len(self) % self.allocator.block_size > 0 else None
+                return None if any(last in seq.block_table for seq in self.live
+                                   if seq is not self) else last
+        return Tracked
+
+    def test_the_copy_on_write_check_sees_a_write_into_a_block_held_outside_any_table(
+            self, lab, monkeypatch):
+        class Blind(self.tracked(lab)):  # writes in place a shared last block no sequence holds
             def append(self, token):
-                pool, offset = self.allocator, len(self) % self.allocator.block_size
-                last = self.block_table[-1] if offset > 0 else None
-                if last is not None and pool.refcount(last) > 1 and not any(
-                        last in seq.block_table for seq in live if seq is not self):
-                    pool.kv_cache.slots[last * pool.block_size + offset] = token
+                pool, last = self.allocator, self.held_outside()
+                if last is not None and pool.refcount(last) > 1:
+                    slot = last * pool.block_size + len(self) % pool.block_size
+                    pool.kv_cache.slots[slot] = token
                     self.tokens.append(token)  # no sequence reads that slot: invariants hold
                 else:
                     super().append(token)
@@ -913,19 +923,12 @@ class TestPart4Checks:
 
     def test_the_copy_on_write_check_fails_as_a_check_when_the_held_block_was_freed(
             self, lab, monkeypatch):
-        live = []
-        class Dropping(lab.Sequence):  # copies a last block held outside, then frees it outright
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                live.append(self)
-
+        class Dropping(self.tracked(lab)):  # copies a last block held outside, then frees it
             def append(self, token):
-                pool, offset = self.allocator, len(self) % self.allocator.block_size
-                last = self.block_table[-1] if offset > 0 else None
+                last = self.held_outside()
                 super().append(token)
-                if last is not None and pool.refcount(last) == 1 and not any(
-                        last in seq.block_table for seq in live):
-                    pool.free(last)  # the outside holder's reference: the tables still agree
+                if last not in (None, *self.block_table) and self.allocator.refcount(last) == 1:
+                    self.allocator.free(last)  # the outside holder's reference: tables agree
         with pytest.raises(AssertionError, match="copy-on-write"):  # not free's ValueError
             self.fuzz_with(lab, monkeypatch, Dropping)
 
