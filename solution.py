@@ -2385,13 +2385,13 @@ def schedule_random(fleet, request, prompt, now):
 
 
 def schedule_load(fleet, request, prompt, now):
-    """The least queued work (ties: fleet.pick, round robin among equals, as below)."""
+    """The least queued work. Ties: fleet.pick (round robin among equals, or TIES[1]), as below."""
     return fleet.pick([fleet.queue(i, now) for i in range(len(fleet.instances))]), None
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded once the busiest has 64 requests more than the
-    idlest and 1.5x; else the longest prefix routed there if over 30%; else the least. Tie: pick."""
+    """SGLang's and vLLM's routers: the least loaded once the busiest has 64 requests over the
+    idlest and 1.5x; else the longest prefix routed there if over 30%, else least. Ties: pick."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
@@ -2410,7 +2410,7 @@ def schedule_ratio(fleet, request, prompt, now):
 
 
 def schedule_local(fleet, request, prompt, now):
-    """Algorithm 1 with each instance's own prefix: the least queue + prefill (ties: pick)."""
+    """Algorithm 1 with each instance's own prefix: the least queue + prefill. Ties: pick."""
     return fleet.pick([fleet.queue(i, now) + fleet.prefill(request.input_length, TRACE_ID_TOKENS
                        * fleet.reuse(i, prompt)) for i in range(len(fleet.instances))]), None
 
