@@ -487,9 +487,9 @@ def audit(pool):
 
 def check_invariants(allocator, sequences):
     """Raise AssertionError naming the first broken invariant: "free list" or "counts" (audit),
-    "block count", "read-back", "ref-count != block-table references"; sequences: all live ones
-    (one listed twice counts once): Sequences, or Part 13's, a table per group (None where a block
-    left the window), which check their own read-back and windows (check_windows)."""
+    "block count", "read-back", "ref-count != block-table references". sequences (any iterable):
+    all live ones, one listed twice counted once; Sequences, or Part 13's, a table per group (None
+    where a block left the window), which check their own read-back and windows (check_windows)."""
     audit(allocator)
     references, size = Counter({block: 0 for block in allocator.ref_cnt}), allocator.block_size
     for seq in {id(seq): seq for seq in sequences if not seq.is_freed}.values():  # each once
@@ -517,12 +517,12 @@ def random_tokens(rng, n, vocab=32_000):
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
     each (a failure: AssertionError); a refused one (OutOfBlocksError) must change no field of the
-    pool or a live sequence ("atomicity: ..."). Returns a Counter of "create", "append", "extend",
-    "fork", "share" (share_prefix), "raw share" (the pool shares a last block while its sequence
-    appends: still in use, it reads back unchanged, else "copy-on-write: ..."; then it is freed),
-    "free", "refused"; all are freed at the end. At most max_live live (past that, a create, fork
-    or share frees one; none live: a create). A small vocab and earlier prompts' prefixes make
-    shared and cached prefixes common."""
+    pool or a live sequence ("atomicity: ..."). Returns a Counter, one count an operation (a refused
+    one only as "refused"): "create", "append", "extend", "fork", "share" (share_prefix), "raw
+    share" (the pool shares a last block while its sequence appends: still in use, it reads back
+    unchanged, else "copy-on-write: ..."; then it is freed), "free"; all are freed at the end. At
+    most max_live live (past that, a create, fork or share frees one; none live: a create). A small
+    vocab, and prompts that start with an earlier prompt's prefix, make shared prefixes common."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -591,8 +591,9 @@ def check_block_boundary(sizes):
 def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=None):
     """Where each sharing bug shows, on a pool of 8 blocks of size (3 or more): a = range(size),
     extended by [size, size + 1]; b = share_prefix(a, "b", size + 1) appends 99 (a copy); a is freed
-    (b keeps the shared block); c = range(100, size + 102). check_invariants after each step, whose
-    name ("a", "a.extend", "b", "b.append", "a.free", "c") goes to done first. Returns a label."""
+    (b keeps the shared block); c = range(100, size + 102). Each step's name ("a", "a.extend",
+    "b", "b.append", "a.free", "c") goes to done before it runs; check_invariants after it runs.
+    Returns a label."""
     pool, live, done = pool_class(8, size), {}, [] if done is None else done
     steps = {"a": lambda: live.update(a=seq_class("a", pool, range(size))),
              "a.extend": lambda: live["a"].extend([size, size + 1]),

@@ -731,12 +731,14 @@ class TestPart4Checks:
         ops = {"create", "append", "extend", "fork", "share", "raw share", "free", "refused"}
         assert ops <= set(counts) and sum(counts.values()) == 600  # each op counted once
 
-    @pytest.fixture
-    def reordering(self, lab, monkeypatch):
+    @pytest.fixture(params=["free list", "kv cache"])
+    def reordering(self, lab, monkeypatch, request):
         real = lab.BlockAllocator.ensure_free
-        def ensure_free(pool, n):  # invariants hold: only the snapshot can tell
-            if n > pool.num_free:
-                pool.free_block_ids.reverse()  # touched before it refuses
+        def ensure_free(pool, n):  # touched before it refuses; invariants hold: only the snapshot
+            if n > pool.num_free and request.param == "free list":
+                pool.free_block_ids.reverse()
+            elif n > pool.num_free and len(pool.free_block_ids) > 0:  # a free block's slot
+                pool.kv_cache.slots[pool.free_block_ids[0] * pool.block_size] = -1
             real(pool, n)
         monkeypatch.setattr(lab.BlockAllocator, "ensure_free", ensure_free)
 
@@ -932,6 +934,33 @@ class TestPart4Checks:
         with pytest.raises(AssertionError, match="copy-on-write"):  # not free's ValueError
             self.fuzz_with(lab, monkeypatch, Dropping)
 
+    def test_the_fuzz_builds_prompts_from_earlier_prompts_prefixes(self, lab, monkeypatch):
+        class Recorded(lab.Sequence):
+            prompts, reused = [], 0
+            def __init__(self, seq_id, allocator, tokens=()):
+                tokens = list(tokens)  # a full block (size 2) of an earlier prompt's tokens:
+                Recorded.reused += len(tokens) >= 2 and any(
+                    past[:2] == tokens[:2] for past in self.prompts)
+                self.prompts.append(tokens)
+                super().__init__(seq_id, allocator, tokens)
+        monkeypatch.setattr(lab.module, "Sequence", Recorded)
+        lab.fuzz(lab.BlockAllocator(40, 2), random.Random(0), 300, vocab=10**9)  # no chance match
+        assert Recorded.reused >= 5
+
+    def test_the_raw_share_holds_the_last_block_of_the_sequence_that_appends(self, lab,
+                                                                           monkeypatch):
+        class Checked(self.tracked(lab)):  # a block held outside any table: only the fuzz's
+            held = 0
+            def append(self, token):
+                pool, live = self.allocator, [seq for seq in self.live if not seq.is_freed]
+                outside = {block for block in self.block_table if pool.refcount(block) >
+                           sum(seq.block_table.count(block) for seq in live)}
+                assert outside <= set(self.block_table[-1:])
+                Checked.held += len(outside)
+                super().append(token)
+        self.fuzz_with(lab, monkeypatch, Checked, runs=3)
+        assert Checked.held >= 10
+
     def test_the_fuzz_frees_every_sequence_at_the_end_and_checks_for_a_leak(self, lab,
                                                                            monkeypatch):
         pool = lab.BlockAllocator(10, 4)
@@ -944,7 +973,8 @@ class TestPart4Checks:
                 super().free()
         monkeypatch.setattr(lab.module, "Sequence", Leaky)
         with pytest.raises(AssertionError):
-            lab.fuzz(lab.BlockAllocator(10, 4), random.Random(0), 1)  # a create, freed at the end
+            for seed in range(5):  # one op, a create (some with tokens), freed at the end
+                lab.fuzz(lab.BlockAllocator(10, 4), random.Random(seed), 1)
 
     def test_the_seed_decides_the_fuzzers_run(self, lab):
         def run(seed):
