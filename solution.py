@@ -298,8 +298,7 @@ class BlockTable(list):
     """A sequence's page table: entry i is the physical block holding logical block i.
     Example: block_size 16, table [7, 2]: slot(17) == (2, 1), so KV slot 2 * 16 + 1 = 33."""
 
-    def __init__(self, block_size):
-        super().__init__()
+    def __init__(self, block_size):  # starts empty, as list() does
         self.block_size = block_size
 
     def slot(self, i):
