@@ -164,10 +164,10 @@ class BlockAllocator:
     read: ref_cnt, block -> references; free_block_ids, blocks given back, reused last in, first
     out; next_unused, the blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies,
     copies made. Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is
-    not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not in
-    0..num_blocks - 1 (refcount, read, copy_block too) or, to share, free or copy, not in use;
-    OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every block in
-    its free_block_queue at start-up; next_unused makes a new pool O(1) at any size."""
+    not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not an int
+    in 0..num_blocks - 1 (True is not block 1; refcount, read, copy_block too) or, to share, free
+    or copy, not in use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool
+    queues every block in its free_block_queue at start-up; next_unused makes a new pool O(1)."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")

@@ -151,7 +151,7 @@ class TestPart1Pool:
         assert pool.refcount(block) == 0 and pool.num_free == 2
 
     @pytest.mark.parametrize("method", ["share", "free"])
-    @pytest.mark.parametrize("block", [1, 5, -1, "0", 0.0, None])
+    @pytest.mark.parametrize("block", [1, 5, -1, "0", 0.0, None, False])  # False == 0, no block
     def test_share_and_free_refuse_a_free_or_unknown_block(self, lab, method, block):
         pool = lab.BlockAllocator(4, 2)
         pool.allocate()  # block 0 is in use; 1 is free; 5, -1 and the rest are no blocks
@@ -163,7 +163,7 @@ class TestPart1Pool:
         pool.free(block)
         refused(lambda: pool.free(block), ValueError, pool)
 
-    @pytest.mark.parametrize("block", [4, -1, "1", None])
+    @pytest.mark.parametrize("block", [4, -1, "1", None, True])
     def test_refcount_and_read_refuse_an_unknown_block(self, lab, block):
         pool = lab.BlockAllocator(4, 2)
         for method in (pool.refcount, pool.read):
@@ -511,6 +511,13 @@ class TestPart2Sequences:
         pool.allocate()  # 1 free: the copy fits, the new block does not
         refused(lambda: seq.extend(range(4)), lab.OutOfBlocksError, pool, [seq])
         refused(lambda: lab.Sequence("t", pool, range(8)), lab.OutOfBlocksError, pool, [seq])
+
+    def test_an_append_that_needs_a_copy_is_refused_whole_when_no_block_is_free(self, lab):
+        pool = lab.BlockAllocator(2, 4)
+        seq = lab.Sequence("s", pool, range(2))  # a partly full block, shared: a write copies it
+        pool.share(seq.block_table[-1])
+        pool.allocate()  # none free: the copy does not fit, and the shared block keeps 2 refs
+        refused(lambda: seq.append(9), lab.OutOfBlocksError, pool, [seq])
 
     def test_fork_is_share_prefix_of_every_token(self, lab, monkeypatch):
         calls = []
