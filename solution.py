@@ -727,9 +727,9 @@ def demo_memory(block_size, seed):
 
 
 def system_prompt_requests(pool, share, seed):
-    """NUM_REQUESTS requests: one SYSTEM_LEN-token system prompt, then USER_LEN tokens of
-    their own; with share, through share_prefix of one system sequence. Either way
-    check_invariants on all of them, then returns the pool."""
+    """NUM_REQUESTS requests, seq_ids 0..: one SYSTEM_LEN-token system prompt, then USER_LEN tokens
+    of their own, drawn from random.Random(seed) in that order; with share, through share_prefix
+    of one sequence "system". Either way check_invariants on all of them, then returns the pool."""
     rng = random.Random(seed)
     system = random_tokens(rng, SYSTEM_LEN)
     users = [random_tokens(rng, USER_LEN) for _ in range(NUM_REQUESTS)]
@@ -745,11 +745,11 @@ def system_prompt_requests(pool, share, seed):
 
 
 def demo_sharing(block_size, seed):
-    """NUM_REQUESTS requests with and without share_prefix (seed 1), each way on a POOL_TOKENS pool
-    (OutOfBlocksError if they do not fit); then a of block_size + max(1, block_size // 4) tokens
-    on an 8-block pool, b = a.fork('b'), b.append(99), and check_invariants: the line says
-    "divergence forked block" ("new block" if a's blocks are full, "WROTE IN PLACE" if it wrote in
-    place), with block maps before and after."""
+    """NUM_REQUESTS requests with and without share_prefix (seed 1, or seed), each way on a
+    POOL_TOKENS pool (OutOfBlocksError if they do not fit); then a of block_size + max(1,
+    block_size // 4) tokens on an 8-block pool, b = a.fork('b'), b.append(99), check_invariants:
+    the line says "divergence " and "forked block" ("new block" if a's blocks are full, "WROTE IN
+    PLACE" if it wrote in place); block maps before and after, a line between (the README's)."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
                      for share in (False, True))
@@ -863,9 +863,8 @@ class HashIndex:
         self.policy.remove(revived)
 
     def insert(self, table, tokens, first, last, now, decode):
-        """Cache the full ones of blocks first..last-1 of table, which hold tokens; returns []:
-        no block to swap. NOTE: a block whose tokens another holds is cached too, as a copy
-        under the same hash, as vLLM v1 does; match offers the oldest."""
+        """Cache the full ones of blocks first..last-1 of table, which hold tokens; returns [] (no
+        swap). NOTE: a duplicate is cached too, under its hash, as in vLLM v1; match: the oldest."""
         size, parent = self.block_size, self.block_hash[table[first - 1]] if first > 0 else None
         for k in range(first, min(last, len(tokens) // size)):
             chunk = tokens[k * size:(k + 1) * size]
@@ -983,10 +982,11 @@ class PrefixCachingAllocator(BlockAllocator):
 # 6b. The radix tree ---------------------------------------------------------------------
 
 class LazyHeap:
-    """Items by key: push(item, key), discard(item), pop() the least, peek() its (key, item)."""
+    """Items by key: push(item, key), discard(item), pop() the least, peek() its (key, item). key:
+    item -> its key; heap: (key, item) pairs, stale ones too, rebuilt past twice len (live ones)."""
 
     def __init__(self):
-        self.key, self.heap = {}, []  # item -> its key; the heap of (key, item), stale ones too
+        self.key, self.heap = {}, []
 
     def __len__(self):
         return len(self.key)

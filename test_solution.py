@@ -1634,6 +1634,25 @@ class TestPart6bRadixTree:
         lab.Sequence("x", pool, [9])
         assert tree_shape(pool.index.root) == {(1, 2): {}, (9,): {}}
 
+    def test_a_release_touches_its_whole_path_down_to_its_deepest_node(self, lab):
+        pool = caching(lab, 4, 2, index="radix")
+        x, y = lab.Sequence("x", pool, [1, 2, 3, 4]), lab.Sequence("y", pool, [1, 2, 5, 6])
+        c = lab.Sequence("c", pool, [7, 8])  # root -> {[1 2] -> {[3 4], [5 6]}, [7 8]}
+        victims = [c.block_table[0], y.block_table[1], x.block_table[1], x.block_table[0]]
+        for seq in (c, y, x):  # finished in that order: so the leaves go
+            seq.free()
+        assert [pool.allocate() for _ in victims] == victims
+
+    def test_a_match_that_splits_a_node_touches_the_part_it_leaves(self, lab):
+        pool = caching(lab, 4, 2, index="radix")
+        x, c = lab.Sequence("x", pool, [1, 2, 3, 4]), lab.Sequence("c", pool, [7, 8])
+        victim = c.block_table[0]
+        x.free()
+        c.free()  # [7 8] was used last, but a match touches the node of [1 2 3 4] after it
+        lab.Sequence("z", pool, [1, 2, 9, 9])  # and splits it, leaving [3 4] unused
+        assert pool.allocate() == victim
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4): {}, (9, 9): {}}}
+
     def test_under_fifo_a_node_hung_below_a_cached_one_counts_as_new(self, lab):
         pool = caching(lab, 6, 1, "fifo", "radix")
         lab.Sequence("a", pool, [1, 2]).free()
