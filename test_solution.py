@@ -581,7 +581,7 @@ class TestPart3Sharing:
         assert y.tokens == src.tokens and lab.share_prefix(src, "z", 0).read() == []
 
     @pytest.mark.parametrize("num_tokens, exception", [
-        (21, ValueError), (-1, ValueError), (1.5, TypeError), ("3", TypeError)])
+        (21, ValueError), (-1, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)])
     def test_share_prefix_refuses_a_length_outside_the_source(self, lab, num_tokens, exception):
         pool = lab.BlockAllocator(8, 16)
         src = lab.Sequence("src", pool, range(20))
@@ -595,11 +595,13 @@ class TestPart3Sharing:
         with pytest.raises(TypeError):
             lab.share_prefix([1, 2], "x")
 
-    def test_share_prefix_and_fork_make_a_sequence_of_the_sources_class(self, lab):
+    def test_share_prefix_and_fork_make_a_sequence_of_the_sources_class_with_the_id_given(
+            self, lab):
         class Tagged(lab.Sequence):
             pass
         src = Tagged("src", lab.BlockAllocator(4, 4), range(6))
-        assert type(lab.share_prefix(src, "x", 3)) is Tagged and type(src.fork("y")) is Tagged
+        x, y = lab.share_prefix(src, "x", 3), src.fork("y")
+        assert (type(x), type(y), x.seq_id, y.seq_id) == (Tagged, Tagged, "x", "y")
 
     def test_counting_physical_blocks_counts_shared_ones_once(self, lab):
         pool = lab.BlockAllocator(16, 4)
@@ -638,11 +640,11 @@ class TestPart3Sharing:
             {*src.block_table, *x.block_table})
 
     def test_a_copy_that_does_not_fit_refuses_the_share_whole(self, lab):
-        pool = lab.BlockAllocator(2, 4)
-        src = lab.Sequence("src", pool, range(6))  # [full, 2 tokens]: no block free
-        refused(lambda: lab.share_prefix(src, "x", 3), lab.OutOfBlocksError, pool, [src])
-        assert list(lab.share_prefix(src, "y", 4).block_table) == [src.block_table[0]]
-        assert list(lab.share_prefix(src, "z", 5).block_table) == src.block_table
+        pool = lab.BlockAllocator(3, 4)
+        src = lab.Sequence("src", pool, range(10))  # [full, full, 2 tokens]: no block free
+        refused(lambda: lab.share_prefix(src, "x", 7), lab.OutOfBlocksError, pool, [src])
+        assert list(lab.share_prefix(src, "y", 8).block_table) == src.block_table[:2]
+        assert list(lab.share_prefix(src, "z", 9).block_table) == src.block_table
 
 
 # ---------------------------------------------------------------------------------------
