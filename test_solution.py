@@ -1036,6 +1036,16 @@ class TestPart4Checks:
                 f"sharing: counted once, copied before a write, kept while held (size {size})",
                 f"random operations vs a plain-list model ({ops}), refused ones inert")]
 
+    @pytest.mark.parametrize("seed, base", [(7, 7), (None, 0)])
+    def test_run_checks_seeds_the_ith_fuzz_with_i_plus_its_seed(self, lab, monkeypatch, capsys,
+                                                                seed, base):
+        runs = []  # (pool's block_size, the rng's first draw, operations) per fuzz call
+        monkeypatch.setattr(lab.module, "fuzz", lambda allocator, rng, num_ops, **_: runs.append(
+            (allocator.block_size, rng.random(), num_ops)))
+        lab.run_checks(16, seed)
+        assert runs == [(size, random.Random(i + base).random(), 100)
+                        for i, size in enumerate([1, 3, 16])]
+
 
 # ---------------------------------------------------------------------------------------
 # Step 5: the demos
