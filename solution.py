@@ -1080,9 +1080,9 @@ class RadixIndex:
 
     def insert(self, table, tokens, first, last, now, decode):
         """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
-        insert: a node where they branch off (a split inside a node), or decode fills on the node
-        their decode run began (SGLang inserts it at the finish). Block k, if the tree has its
-        tokens there, is a duplicate: returns (k, the tree's block) for each (SGLang frees k)."""
+        insert: each node on the way gets the clock, then splits where they branch off; a new node
+        holds them, or decode fills their decode run's (SGLang inserts it at the finish). Block k,
+        if the tree has its tokens there, is a duplicate: returns (k, the tree's block) for each."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:

@@ -1655,6 +1655,14 @@ class TestPart6bRadixTree:
             seq.free()
         assert [pool.allocate() for _ in victims] == victims
 
+    def test_an_insert_touches_a_node_before_splitting_so_the_part_it_leaves_is_fresh(self, lab):
+        pool = lab.PrefixCachingAllocator(8, 1, index="radix")
+        lab.Sequence("a", pool, [1, 2, 3]).free()
+        b = lab.Sequence("b", pool, [1])  # root -> [1] -> [2 3]
+        lab.Sequence("c", pool, [7]).free()
+        b.append(2)  # a duplicate of the tree's 2, inside [2 3]: touched, then split there
+        assert [pool.read(block) for block in pool.index.evict(1, 0)] == [[7]]
+
     def test_a_match_that_splits_a_node_touches_the_part_it_leaves(self, lab):
         pool = caching(lab, 4, 2, index="radix")
         x, c = lab.Sequence("x", pool, [1, 2, 3, 4]), lab.Sequence("c", pool, [7, 8])
