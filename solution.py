@@ -521,7 +521,8 @@ def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
     share" (the pool shares a last block while its sequence appends: still in use, it reads back
     unchanged, else "copy-on-write: ..."; then it is freed), "free"; all are freed at the end. At
     most max_live live (past that, a create, fork or share frees one; none live: a create). A small
-    vocab, and prompts that start with an earlier prompt's prefix, make shared prefixes common."""
+    vocab, and prompts that start with an earlier prompt's prefix, make shared prefixes common. A
+    create or extend adds up to 2 * block_size + 2 new tokens: run_checks' pools refuse some."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
@@ -709,8 +710,9 @@ def written_share(pool):
 
 
 def demo_memory(block_size, seed):
-    """Requests that fit when each reserves MAX_LEN, and when paged (seed 0, or seed); then the
-    share of the slots in use written (written_share) and the blocks left free, each way."""
+    """Requests that fit when each reserves MAX_LEN, and when paged, each the same ACTUAL_LEN
+    tokens (one draw of random.Random(seed), None: 0); then the share of the slots in use written
+    (written_share) and the blocks left free, each way."""
     naive_pool, paged_pool = (BlockAllocator(POOL_TOKENS // block_size, block_size) for _ in (0, 1))
     request = random_tokens(random.Random(0 if seed is None else seed), ACTUAL_LEN)
     naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
@@ -749,7 +751,8 @@ def demo_sharing(block_size, seed):
     POOL_TOKENS pool (OutOfBlocksError if they do not fit); then a of block_size + max(1,
     block_size // 4) tokens on an 8-block pool, b = a.fork('b'), b.append(99), check_invariants:
     the line says "divergence " and "forked block" ("new block" if a's blocks are full, "WROTE IN
-    PLACE" if it wrote in place); block maps before and after, a line between (the README's)."""
+    PLACE" if it wrote in place); block maps before and after, a line between (the README's; if
+    a's blocks are full: "  every block is full: b.append(99) takes a new block (0 copies)")."""
     num_blocks, seed = POOL_TOKENS // block_size, 1 if seed is None else seed
     alone, shared = (system_prompt_requests(BlockAllocator(num_blocks, block_size), share, seed)
                      for share in (False, True))
