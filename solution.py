@@ -2362,7 +2362,8 @@ class Fleet:
     def pick(self, keys):
         """The instance of the least key; among equals, by "round robin" the first after last,
         else the lowest index. Example, 4 instances, last 1, keys [0, 5, 3, 0]: 3 (lowest: 0)."""
-        tied = [i for i, key in enumerate(keys) if key == min(keys)]
+        least = min(keys)
+        tied = [i for i, key in enumerate(keys) if key == least]
         return tied[0] if self.ties == "lowest index" else min(
             tied, key=lambda i: (i - self.last - 1) % len(keys))
 
@@ -2445,11 +2446,13 @@ class FleetRun:
     instances: list
 
 
-def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M,
-                 efficiency=FLEET_EFFICIENCIES[0], seed=0, **rules):
+def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M, efficiency=None, seed=0,
+                 **rules):
     """Replay requests on instances prefill instances of cache_blocks blocks, each sent where
     FLEET_SCHEDULERS[scheduler] says: it waits for that queue (and any fetch), is prefilled past
-    what it reuses, cached there. rules: Fleet's. ValueError for none, or one over the cache."""
+    what it reuses, cached there. efficiency None: FLEET_EFFICIENCIES[0], read at the call (an
+    edited knob reaches main's check). rules: Fleet's. ValueError for none, or one over the cache."""
+    efficiency = FLEET_EFFICIENCIES[0] if efficiency is None else efficiency
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
     if len(prompts) == 0 or max(map(len, prompts)) > cache_blocks:
