@@ -2453,9 +2453,8 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M, efficienc
                  **rules):
     """Replay requests on instances prefill instances of cache_blocks blocks, each sent where
     FLEET_SCHEDULERS[scheduler] says: it waits for that queue (and any fetch), is prefilled past
-    what it reuses, cached there. efficiency None: FLEET_EFFICIENCIES[0], read at the call (an
-    emptied knob reaches main's check). rules: Fleet's. ValueError: none, or one over the cache."""
-    efficiency = FLEET_EFFICIENCIES[0] if efficiency is None else efficiency
+    what it reuses, cached there. rules: Fleet's. ValueError for none, or one over the cache."""
+    efficiency = FLEET_EFFICIENCIES[0] if efficiency is None else efficiency  # late-bound
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
     if len(prompts) == 0 or max(map(len, prompts)) > cache_blocks:
