@@ -2062,7 +2062,8 @@ class TestPart7Preemption:
         # 6 blocks of 2, two requests of 3 + 4 tokens: each holds 3 blocks after step 2; at
         # step 3 request 0 needs a fourth, request 1 (6 tokens, 3 blocks) is the victim
         requests = [lab.Request(0, [0, 1, 2], 4, 0), lab.Request(1, [100, 101, 102], 4, 0)]
-        for policy, host in (("recompute", None), ("swap", lab.BlockAllocator(6, 2))):
+        for policy, host in (("recompute", None), ("swap", lab.BlockAllocator(6, 2)),
+                             ("swap", lab.BlockAllocator(3, 2))):  # 3: just the victim's blocks
             scheduler = lab.Scheduler(lab.BlockAllocator(6, 2), host, policy)
             scheduler.run(requests)
             st = scheduler.stats
@@ -2195,12 +2196,21 @@ class TestPart7Preemption:
         recompute = 0.9 * 256 / lab.PREFILL_TOKENS_PER_S  # as plot_fig19_a.py, at 100% prefill
         assert (f"\n     256       80  {one_way * 1e3:>15.1f}  {2 * one_way * 1e3:>9.1f}"
                 f"{recompute / (2 * one_way):>14.2f}x") in out
+        gaps = []  # end to end, recompute over swap, at the paper's medium sizes
         for size in lab.EVICT_SIZES:  # each row is the run at its own size, seed 5's
             st = lab.run_policy("recompute", size, lab.preemption_workload(5), 0)
             swap = 2 * lab.swap_seconds(st.preempted_blocks, size, 80, 5e-6)  # out and in
+            recompute = st.recomputed_tokens / lab.PREFILL_TOKENS_PER_S
             assert (f"\n   {size:>5}  {st.preemptions:>11}  {st.recomputed_tokens:>15}  "
-                    f"{st.recomputed_tokens / lab.PREFILL_TOKENS_PER_S * 1e3:>12.1f}  "
-                    f"{swap * 1e3:>7.1f}  ") in out
+                    f"{recompute * 1e3:>12.1f}  {swap * 1e3:>7.1f}  ") in out
+            decode = st.steps * lab.DECODE_STEP_S
+            gaps += [abs((decode + recompute) / (decode + swap) - 1)] if 16 <= size <= 64 else []
+        assert f"differ end to end by at most {max(gaps):.1%}:" in out
+        big = max(lab.EVICT_SIZES)  # the quote's 20%, at swap's cheapest and each latency
+        over = [0.9 * lab.recompute_seconds(lab.SWAP_TOKENS, e) / (2 * lab.swap_seconds(
+            lab.SWAP_TOKENS // big, big, 80, t)) - 1 for t in lab.COPY_LATENCY_S
+            for e in lab.PREFILL_EFFICIENCIES]
+        assert f"is {min(over):.0%} to {max(over):.0%} here" in out
 
     def test_a_swap_costs_a_copy_per_layer_k_and_v_per_block_and_its_bytes(self, lab):
         bytes_per_block = 16 * 2 * 40 * 5120 * 2  # K and V, 40 layers, 5120 hidden, fp16
@@ -2235,7 +2245,8 @@ class TestPart8Beams:
         # 3 blocks, the third holds 1 token. entries, step by step: 0+3+3, 3+3, 3, 4, 4 (the
         # last step frees the last sample: no yield); in use: 4 (the first writer copies the
         # third block, the second writes it in place), 4, 3 (one is done), 4, 4
-        assert run_group(lab, group, pool)[:2] == (23, 19) and pool.num_free == 12
+        entries, used, steps = run_group(lab, group, pool)
+        assert (entries, used, len(steps)) == (23, 19, 5) and pool.num_free == 12
         assert pool.num_copies == 1
 
     @pytest.mark.parametrize("width, block_size", [(2, 1), (3, 4), (4, 16)])
@@ -2247,6 +2258,7 @@ class TestPart8Beams:
             steps += 1
             lab.check_invariants(pool, beams)
             assert [len(beam) for beam in beams] == [7 + steps] * width  # one token longer
+            assert len({beam.seq_id for beam in beams}) == width  # a fork: a new seq_id
             assert pool.num_used <= sum(len(beam.block_table) for beam in beams)
         assert steps == 30 and pool.num_free == pool.num_blocks
 
@@ -2256,6 +2268,26 @@ class TestPart8Beams:
         rows = capsys.readouterr().out.split("block size 4), [block:ref-count]\n")[1].split(
             "\n")[:4]
         assert all("[  0:4]" in row for row in rows)
+
+    def test_a_serving_run_runs_the_groups_of_its_kind_on_the_drawn_prompts(self, lab,
+                                                                            monkeypatch):
+        calls = []  # (kind, prompt length, what it decodes)
+        for name in ("parallel_sampling", "beam_search"):
+            def recorded(pool, prompt, *rest, real=getattr(lab.module, name), name=name):
+                calls.append((name, len(prompt), rest[0] if name == "parallel_sampling" else
+                              rest[1]))
+                return real(pool, prompt, *rest)
+            monkeypatch.setattr(lab.module, name, recorded)
+        rng = random.Random(3)  # the first request: prompt length, then its output lengths
+        prompt = lab.draw_length(rng, lab.ALPACA[1], lab.MAX_SEQ_LEN // 2)
+        outputs = [lab.draw_length(rng, lab.ALPACA[2], lab.MAX_SEQ_LEN - prompt) for _ in (0, 1)]
+        lab.serving_saving(lab.ALPACA, "parallel", 2, 3, 16)
+        assert {name for name, *_ in calls} == {"parallel_sampling"}
+        assert calls[0] == ("parallel_sampling", prompt, outputs)
+        calls.clear()
+        lab.serving_saving(lab.ALPACA, "beam", 2, 3, 16)
+        assert {name for name, *_ in calls} == {"beam_search"}
+        assert calls[0] == ("beam_search", prompt, outputs[0])  # one output length, k beams
 
     def test_a_serving_run_with_nothing_shared_saves_nothing(self, lab):
         assert lab.serving_saving(lab.ALPACA, "parallel", 1, 3, 16) == 0.0
@@ -2281,6 +2313,9 @@ class TestPart9Sweep:
         waste, entries, table_bytes, fit = lab.measure_block_size(requests, 8, 4)
         assert (waste, entries, table_bytes, fit) == (1 - 15 / 20, 2.5, 20, 1)
         assert lab.measure_block_size(requests, 64, 5)[0] == 0.0
+        small, big = (list(range(2)), []), (list(range(10)), [])  # 1 block and 3 blocks of 4
+        assert lab.measure_block_size([small, small, big], 8, 4)[3] == 2  # before the refusal
+        assert lab.measure_block_size([small, big, small], 12, 4)[3] == 1  # none after it
 
     def test_prefix_reuse_lost_counts_the_partial_block_of_the_system_prompt(self, lab):
         assert lab.prefix_reuse_lost(1) == 0.0
@@ -2295,6 +2330,21 @@ class TestPart9Sweep:
         lab.demo_sweep(16, None)
         out = capsys.readouterr().out
         assert "is ours, not the paper's" in out and "budget 2.5%" in out and "budget 10.0%" in out
+
+    def test_the_sweep_prints_the_reuse_lost_and_the_first_seeds_runs_by_size(self, lab, capsys,
+                                                                              monkeypatch):
+        sizes = (1, 4, 16)
+        monkeypatch.setattr(lab.module, "SWEEP_SIZES", sizes)
+        lab.demo_sweep(16, None)
+        out = capsys.readouterr().out
+        lost = " +".join(re.escape(f"{lab.prefix_reuse_lost(size):.1%}") for size in sizes)
+        assert re.search(rf"^   lost +{lost}$", out, re.MULTILINE)
+        for dataset, kv_tokens in lab.SWEEP_BUDGETS.items():  # seed 8's rows, in each table
+            for size in sizes:
+                waste, entries, table_bytes, fit = lab.measure_block_size(
+                    lab.sweep_workload(dataset, 8), kv_tokens, size)
+                assert re.search(rf"^ +{size} +{waste:.1%} +{entries:.1f} +{table_bytes / 1024:.1f}"
+                                 rf" +{fit}$", out, re.MULTILINE)
 
     def test_the_sweep_names_each_datasets_sweet_spots_at_its_budget(self, lab, capsys,
                                                                      monkeypatch):
@@ -2314,6 +2364,9 @@ class TestPart10Bench:
         lab.demo_bench(block_size, None)
         out = capsys.readouterr().out
         assert out.count("x\n") >= 9 and "SHA-256 + a look-up" in out and "bytes a block" in out
+        idle, per_block = (int(n.replace(",", "")) for n in re.search(
+            r"idle ([\d,]+) bytes; (\d+) bytes a block", out).groups())
+        assert per_block >= 8 * block_size and idle > 0  # a slot holds a pointer at least
 
     def test_ns_per_op_times_each_run_with_the_collector_off_and_keeps_the_best(self, lab,
                                                                               monkeypatch):
@@ -2453,6 +2506,26 @@ class TestPart11Trace:
             lab.main(["trace", str(path)])
         assert exit_.value.code == 2 and where in capsys.readouterr().err
 
+    def test_a_trace_line_with_nothing_to_decode_or_no_prompt_is_a_request(self, lab):
+        for fields, ids in (('"input_length": 512, "output_length": 0', [3]),
+                            ('"input_length": 0, "output_length": 5', [])):
+            line = f'{{"timestamp": 0, {fields}, "hash_ids": {ids}}}'
+            assert lab.parse_trace_line(line, "t:1").hash_ids == ids
+
+    def test_a_partial_last_id_of_one_token_keeps_one_token_and_an_empty_prompt_replays(self, lab):
+        assert lab.trace_prompt(lab.TraceRequest(0, 513, 1, [5, 9]), 4) == [20, 21, 22, 23, 36]
+        requests = [lab.TraceRequest(0, 0, 1, []), *trace(lab, [1], [1])]
+        assert lab.replay_trace(requests, 8, "lru", 2).hits == 1
+
+    def test_trace_vs_mooncake_sets_the_traces_own_table_2_row_beside_ours(self, lab, capsys):
+        lab.trace_vs_mooncake("conversation_trace.jsonl", 0.5, 0.2)
+        out = capsys.readouterr().out
+        assert re.search(rf"^   conversation +{lab.MOONCAKE_RATIO['conversation']:.0%} +50\.0% +"
+                         r"20\.0% +40%$", out, re.MULTILINE)
+        lab.trace_vs_mooncake("mine.jsonl", 0.5, None)  # not one of Mooncake's: no ratio
+        out = capsys.readouterr().out
+        assert re.search(r"^   mine\.jsonl +- +50\.0% +- +-$", out, re.MULTILINE)
+
     def test_a_trace_that_is_not_text_or_has_no_full_id_is_refused(self, lab, tmp_path, capsys):
         binary, short = tmp_path / "b.jsonl", tmp_path / "s.jsonl"
         binary.write_bytes(b"\xff\xfe\n")
@@ -2574,8 +2647,27 @@ class TestPart12Fleet:
     def test_random_is_reproducible_with_its_seed_and_moves_with_it(self, lab):
         requests = timed(lab, *([k] for k in range(20)))
         runs = [lab.replay_fleet(requests, 4, "random", seed=seed).busiest_share
-                for seed in (1, 1, 2)]
+                for seed in (1, 1, 2, 0)]
         assert runs[0] == runs[1] != runs[2]
+        assert lab.replay_fleet(requests, 4, "random").busiest_share == runs[3]  # seed 0
+
+    def test_cache_aware_in_a_replay_follows_the_prefix_until_64_more_wait_there(self, lab):
+        requests = timed(lab, *[[1, 2, 3]] * 70)  # all at once: none finishes meanwhile
+        run = lab.replay_fleet(requests, 2, "cache_aware")
+        # 65 follow the prefix to 0; then 1 gets every other one, as 0 leads by 65, 64, 65, ...
+        assert [len(instance.done) for instance in run.instances] == [67, 3]
+
+    def test_load_counts_the_requests_not_yet_ended_and_forgets_the_ended(self, lab):
+        fleet = lab.Fleet(1, 1, lab.FLEET_EFFICIENCIES[0], 0)
+        fleet.instances[0].done.extend([1.0, 2.0, 3.0])
+        assert fleet.load(0, 2.0) == 1 and list(fleet.instances[0].done) == [3.0]
+        assert fleet.load(0, 5.0) == 0
+
+    def test_a_new_fleets_first_tie_goes_to_instance_0(self, lab):
+        assert lab.Fleet(3, 1, lab.FLEET_EFFICIENCIES[0], 0).pick([0, 0, 0]) == 0
+
+    def test_prompts_shorter_than_a_block_replay_with_a_hit_rate_of_0(self, lab):
+        assert lab.replay_fleet(timed(lab, [], [], length=100), 2, "global").hit_rate == 0.0
 
     @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "ratio", "local",
                                            "global"])
@@ -2616,7 +2708,8 @@ class TestPart12Fleet:
         run = lab.replay_fleet(requests, 3, "load", ties=ties)
         assert run.busiest_share == pytest.approx(busiest)
 
-    @pytest.mark.parametrize("ratio, own, reuse", [(2.0, 4, 10), (4.0, 4, 4), (100.0, 0, 10)])
+    @pytest.mark.parametrize("ratio, own, reuse", [(2.0, 4, 10), (2.5, 4, 4), (4.0, 4, 4),
+                                                    (100.0, 0, 10)])  # 10 > 2.5 x 4 is false
     def test_global_fetches_when_the_best_prefix_over_its_own_exceeds_the_ratio(self, lab, ratio,
                                                                                 own, reuse):
         fleet = lab.Fleet(2, 100, lab.FLEET_EFFICIENCIES[0], 0, fetch_ratio=ratio)
@@ -2649,10 +2742,14 @@ class TestPart12Fleet:
         requests = lab.load_trace(str(path))
         lab.demo_fig10(requests, path.name)
         out = capsys.readouterr().out
-        local, _, pool, _ = lab.FIG10["synthetic"]
-        runs = {"the paper's: by prefix ratio": ("ratio", 10, "global", 10, 1),
-                "Algorithm 1: queue + prefill": ("local", 10, "global", 10, 1),
-                f"one {lab.THREE_M:,}-block LRU": ("load", 1, "load", 1, 10)}  # pooled: 10 x 3M
+        local, seconds, pool, pool_seconds = lab.FIG10["synthetic"]
+        assert re.search(rf"^   Fig\. 10, synthetic +{local:.1%} +{seconds:.2f} +{pool:.1%} +"
+                         rf"{pool_seconds:.2f} ", out, re.MULTILINE)  # its bars, this trace's
+        few = lab.FLEET_SIZES[1]
+        assert f"{few} instances; Fig. 10's bars" in out
+        runs = {"the paper's: by prefix ratio": ("ratio", few, "global", few, 1),
+                "Algorithm 1: queue + prefill": ("local", few, "global", few, 1),
+                f"one {lab.THREE_M:,}-block LRU": ("load", 1, "load", 1, few)}  # pooled: few x 3M
         off = {}
         for label, (mine, n, theirs, m, times) in runs.items():
             hits = lab.replay_fleet(requests, n, mine).hit_rate
@@ -2662,6 +2759,32 @@ class TestPart12Fleet:
             assert re.search(rf"^   {re.escape(label)} +{hits:.1%} ", out, re.MULTILINE)
         assert f"nearest Fig. 10's hit rates: {min(off, key=off.get)}," in out
         assert max(map(len, out.splitlines())) <= 100
+
+    def test_the_fleet_table_has_a_row_per_scheduler_and_fetch_ratio_from_their_replays(
+            self, lab, tmp_path, capsys):
+        rng, path = random.Random(4), tmp_path / "small.jsonl"
+        path.write_text("".join(json.dumps({"timestamp": 400 * i, "input_length": 512 * 4,
+                                            "output_length": 8, "hash_ids": [s, s + 1, s + 2,
+                                                                              100 + i]}) + "\n"
+                                for i, s in enumerate(rng.randrange(6) * 3 for _ in range(40))))
+        lab.demo_fleet(str(path), None)
+        out = capsys.readouterr().out
+        requests, many = lab.load_trace(str(path)), lab.FLEET_SIZES[0]
+        assert out.startswith(f"== fleet: 40 requests of {path.name} on prefill instances ==")
+        runs = {s: lab.replay_fleet(requests, many, s) for s in lab.FIG5_ROWS} | {
+            f"global r={r:g}": lab.replay_fleet(requests, many, "global", fetch_ratio=r)
+            for r in lab.FETCH_RATIOS[1:]}
+        for label, run in runs.items():
+            other = lab.replay_fleet(requests, many, label, ties=lab.TIES[1]) if (
+                label in lab.FIG5_ROWS[1:]) else None  # random has no ties to move
+            moved = "" if other is None else f"{other.mean_ttft - run.mean_ttft:+.2f} s"
+            assert re.search(rf"^   {re.escape(label)} +{run.mean_ttft:.2f} s +{run.p90_ttft:.2f} "
+                             rf"s +{run.hit_rate:.1%} .*{re.escape(moved)}", out, re.MULTILINE)
+        for e in lab.FLEET_EFFICIENCIES[1:]:
+            pooled = lab.replay_fleet(requests, many, "global", efficiency=e)
+            assert f"at {e:.0%}, {pooled.mean_ttft:.2f} s" in out
+        assert runs["load"].mean_ttft != lab.replay_fleet(requests, lab.FLEET_SIZES[1],
+                                                          "load").mean_ttft  # the sizes matter
 
     def test_a_trace_with_no_local_hit_prints_no_global_over_local_ratio(self, lab, tmp_path,
                                                                           capsys):
@@ -2809,6 +2932,30 @@ class TestPart13Hybrid:
             seq.append(1)
         with pytest.raises(ValueError):
             seq.free()
+
+    def test_a_block_a_decode_fills_is_cached_under_its_chained_hash(self, lab):
+        pool = lab.PrefixCachingAllocator(16, 1)  # block size 1: the second block has a parent
+        seq = lab.HybridSequence("a", pool, [1], [None])
+        seq.append(2)
+        assert seq.hashes == [lab.hash_block_tokens(None, [1]),
+                              lab.hash_block_tokens(lab.hash_block_tokens(None, [1]), [2])]
+        seq.free()
+        lab.HybridSequence("b", pool, [1, 2, 3], [None])
+        assert pool.hits == 2  # the prompt block and the decoded one
+
+    def test_check_invariants_names_a_block_kept_behind_the_window_and_a_wrong_token(self, lab):
+        pool = lab.BlockAllocator(64, 16)
+        seq = lab.HybridSequence("r", pool, range(111), [None, 32])
+        seq.append(111)  # group 1 drops blocks 0..4
+        lab.check_invariants(pool, [seq])
+        seq.block_tables[1][0] = pool.allocate()  # one kept behind the window
+        with pytest.raises(AssertionError, match="window"):
+            lab.check_invariants(pool, [seq])
+        pool.free(seq.block_tables[1][0])
+        seq.block_tables[1][0] = None
+        pool.kv_cache.slots[seq.block_tables[1][6] * 16] = 999  # inside the window, overwritten
+        with pytest.raises(AssertionError, match="read-back"):
+            lab.check_invariants(pool, [seq])
 
     def test_num_used_counts_every_group(self, lab):
         pool = lab.BlockAllocator(64, 4)
