@@ -2304,6 +2304,19 @@ class TestPart8Beams:
         name, kind, width, *cells = rows[-1]
         assert [f"{lab.serving_saving(lab.SHAREGPT, kind, int(width), s, 16):.1%}"
                 for s in (3, 4, 5)] == [f"{c}%" for c in cells]
+        spans = " ".join(out.split("ours span ")[1].split())  # the table's extremes, per kind
+        for name, kind in {row[:2]: None for row in rows}:
+            cells = [float(c) for row in rows if row[:2] == (name, kind) for c in row[3:]]
+            assert f"{min(cells):.1f}%-{max(cells):.1f}% ({name} {kind})" in spans
+
+    def test_the_section_counts_the_copies_a_fork_makes_mid_block_and_on_a_boundary(
+            self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "SERVING_LIFETIMES", 0.5)
+        lab.demo_beam(16, None)
+        out, samples = capsys.readouterr().out, lab.NUM_SAMPLES[len(lab.NUM_SAMPLES) // 2]
+        assert re.search(rf"^   100 tokens, ending mid-block: {samples - 1} copies = ", out,
+                         re.MULTILINE)  # 6 blocks and 4 tokens: each writer but the last
+        assert re.search(r"^   96 tokens, ending on a boundary: 0 copies$", out, re.MULTILINE)
 
 
 class TestPart9Sweep:
@@ -2640,6 +2653,9 @@ class TestPart12Fleet:
         assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 1
         fleet.instances[1].done.extend([10.0] * 2)  # 65 - 2 < 64: balanced enough
         assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 0
+        fleet.instances[0].done.extend([10.0] * 130)  # 195 and 130: 65 over, 1.5x, not over it
+        fleet.instances[1].done.extend([10.0] * 128)
+        assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 0
         fleet.instances[0].seen.clear()  # no match: the replica that has seen the least
         fleet.instances[1].seen.update([7])
         assert lab.schedule_cache_aware(fleet, request, [], 0.0)[0] == 0
@@ -2780,6 +2796,8 @@ class TestPart12Fleet:
             moved = "" if other is None else f"{other.mean_ttft - run.mean_ttft:+.2f} s"
             assert re.search(rf"^   {re.escape(label)} +{run.mean_ttft:.2f} s +{run.p90_ttft:.2f} "
                              rf"s +{run.hit_rate:.1%} .*{re.escape(moved)}", out, re.MULTILINE)
+        table = out.split("ties moved  Fig. 5\n")[1].split("   global's mean TTFT")[0]
+        assert [line.strip().split("  ")[0] for line in table.splitlines()] == list(runs)
         for e in lab.FLEET_EFFICIENCIES[1:]:
             pooled = lab.replay_fleet(requests, many, "global", efficiency=e)
             assert f"at {e:.0%}, {pooled.mean_ttft:.2f} s" in out
@@ -2922,6 +2940,10 @@ class TestPart13Hybrid:
         seq.append(9)  # 1 free + 1 the window frees
         assert pool.num_used == 5 and seq.block_tables == [[0, 1, 2], [None, 3, 4]]
         lab.check_invariants(pool, [seq])
+        pool = lab.BlockAllocator(2, 2)
+        seq = lab.HybridSequence("b", pool, range(3), [None])  # the pool full, mid-block
+        seq.append(9)  # needs no block: none asked for
+        assert pool.num_used == 2 and seq.block_tables == [[0, 1]]
 
     def test_freed_sequence(self, lab):
         pool = lab.BlockAllocator(8, 2)
