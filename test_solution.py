@@ -2289,6 +2289,11 @@ class TestPart8Beams:
         assert {name for name, *_ in calls} == {"beam_search"}
         assert calls[0] == ("beam_search", prompt, outputs[0])  # one output length, k beams
 
+    def test_a_one_step_serving_run_measures_the_groups_it_just_admitted(self, lab, monkeypatch):
+        monkeypatch.setattr(lab.module, "SERVING_LIFETIMES", 1 / lab.ALPACA[2])  # 1 step
+        for kind in ("parallel", "beam"):  # step 0 counts (0 >= 1 // 3), its admissions too
+            assert 0 < lab.serving_saving(lab.ALPACA, kind, 2, 3, 16) < 1
+
     def test_a_serving_run_with_nothing_shared_saves_nothing(self, lab):
         assert lab.serving_saving(lab.ALPACA, "parallel", 1, 3, 16) == 0.0
         assert 0 < lab.serving_saving(lab.ALPACA, "beam", 2, 3, 16) < 1
