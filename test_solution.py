@@ -2570,6 +2570,11 @@ class TestPart11Trace:
         out, err = capsys.readouterr()
         assert "the ceiling" in out and "lookahead 100" in out
         assert max(len(line) for line in out.splitlines()) <= 100
+        roomy = int(re.search(r"; on ([\d,]+)\n", out).group(1).replace(",", ""))
+        table = out.split("optimal/ceiling\n")[1].split("   the first pool")[0]
+        sizes = [int(line.split()[0].replace(",", "")) for line in table.splitlines()]
+        ratio = (roomy / sizes[0]) ** (1 / (lab.TRACE_SIZES - 1))  # a log scale up to roomy
+        assert sizes == [round(sizes[0] * ratio ** k) for k in range(lab.TRACE_SIZES - 1)] + [roomy]
         assert err.startswith("trace: replay 1 (lru, ")  # not a terminal: a line each
 
     class Terminal(io.StringIO):
