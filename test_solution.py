@@ -2273,10 +2273,11 @@ class TestPart8Beams:
                                                                             monkeypatch):
         calls = []  # (kind, prompt length, what it decodes)
         for name in ("parallel_sampling", "beam_search"):
-            def recorded(pool, prompt, *rest, real=getattr(lab.module, name), name=name):
-                calls.append((name, len(prompt), rest[0] if name == "parallel_sampling" else
-                              rest[1]))
-                return real(pool, prompt, *rest)
+            def recorded(*args, real=getattr(lab.module, name), name=name, **kwargs):
+                given = inspect.signature(real).bind(*args, **kwargs).arguments  # by name
+                calls.append((name, len(given["prompt"]), given["outputs"] if name ==
+                              "parallel_sampling" else given["output_len"]))
+                return real(*args, **kwargs)
             monkeypatch.setattr(lab.module, name, recorded)
         rng = random.Random(3)  # the first request: prompt length, then its output lengths
         prompt = lab.draw_length(rng, lab.ALPACA[1], lab.MAX_SEQ_LEN // 2)
