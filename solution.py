@@ -1695,7 +1695,8 @@ PAPER_63 = ("We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 
 def parallel_sampling(pool, prompt, outputs, rng):
     """len(outputs) samples of one prompt (the first, and forks of it), each decoding its own
     number of tokens, as a generator: each step a sample at its length is freed, the others
-    append a token, then it yields the samples (a freed one holds no blocks)."""
+    append a token, then it yields the samples (a freed one holds no blocks), but not after the
+    step that frees the last."""
     samples = [Sequence(0, pool, prompt)]
     samples += [samples[0].fork(i) for i in range(1, len(outputs))]
     for step in range(max(outputs) + 1):
@@ -1712,7 +1713,8 @@ def beam_search(pool, prompt, width, output_len, rng):
     """Beam search with pruning over seeded random scores (no model), as a generator: each
     step every beam proposes width candidates, each its beam's log-prob + log(1 - rng.random()),
     drawn beam by beam; the best width survive, best first; a parent chosen by several is
-    forked, a parent chosen by none is freed; it yields the beams. Then it frees them."""
+    forked (each fork a new seq_id, from 1), a parent chosen by none is freed; it yields the
+    beams. Then it frees them."""
     beams, ids = [(0.0, Sequence(0, pool, prompt))], itertools.count(1)  # (log-prob, beam)
     for _ in range(output_len):
         best = sorted(((score + math.log(1 - rng.random()), i) for i, (score, _) in
@@ -1732,9 +1734,11 @@ def beam_search(pool, prompt, width, output_len, rng):
 
 def serving_saving(dataset, kind, width, seed, block_size):
     """The saving of one serving run, the artifact's way: 1 - 1 / mean(L / P), L the block-table
-    entries and P the blocks in use after each step, over the last two thirds of the steps (its
-    plot_fig15.py keeps 300-900 s of 900 s). The next request is admitted once all fit the pool
-    unshared (each table's entries, and a copy in flight); each step every group decodes."""
+    entries and P the blocks in use after each step and its admissions, from step steps // 3 on
+    (its plot_fig15.py keeps 300-900 s of 900 s). The next request is admitted once all fit the
+    pool unshared (each table's entries, and a copy in flight); each step every group decodes. A
+    request draws from Random(seed) its prompt length, its output lengths (width of them for
+    parallel, one for beam), then its tokens; parallel_sampling or beam_search serves it."""
     _, prompt_mean, output_mean = dataset
     rng, pool = random.Random(seed), BlockAllocator(SERVING_KV_TOKENS // block_size, block_size)
     groups, ratios, steps, ahead = {}, [], round(SERVING_LIFETIMES * output_mean), None
@@ -2085,6 +2089,8 @@ def load_trace(path, limit=None):
 
 
 def parse_trace_line(line, where):
+    """A TraceRequest: TRACE_FIELDS, a timestamp >= 0, lengths ints >= 0 (0 is a request), hash
+    ids ints >= 0, one per 512 tokens; else ValueError naming where."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -2207,7 +2213,7 @@ def replay_trace(requests, num_blocks, policy="lru", block_size=BLOCK_SIZE, inde
                  zip(prompts, answers, strict=True))  # Part 6's: admit, decode, free
 
 
-TRACE_SIZES = 4  # pool sizes on a log scale, from the longest request to "never evicts"
+TRACE_SIZES = 4  # pool sizes round(longest * r ** k), k = 0..3, r ** 3 = never evicts / longest
 KNEE = 0.9       # the share of the ceiling where a hit-rate curve counts as flattened
 WINDOWS = (100, 300, 1000)  # prompts a Lookahead policy sees ahead, in the gap table
 THREE_M = 3_000_000 // TRACE_ID_TOKENS  # Mooncake's 3M-token local cache, in 512-token ids
@@ -2305,7 +2311,8 @@ def trace_gap(sizes, rate):
 
 
 def trace_vs_mooncake(name, ceiling, lru_3m):
-    """This trace's ceiling and LRU at 3M tokens beside Mooncake's Table 2 and its 5.3.1."""
+    """This trace's ceiling and LRU at 3M tokens beside Mooncake's Table 2 and its 5.3.1; its row
+    is the Mooncake trace whose name (before any "&") is in name, else name with "-" cells."""
     trace = next((t for t in MOONCAKE_RATIO if t.split("&")[0] in name), None)
     print(textwrap.fill(f'vs Mooncake (FAST\'25), quoted: "{MOONCAKE_3M}" (5.3.1); its Table 2 '
                         'gives each trace\'s "cache ratio"', 96, subsequent_indent="   "))
@@ -2353,7 +2360,7 @@ class Instance:
 
 
 class Fleet:
-    """The instances, their rules, a Random, last (the one chosen last); what schedulers ask."""
+    """Instances, their rules, a Random, last (chosen last; -1 at first): what schedulers ask."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
                  ties=TIES[0], index="hash"):
@@ -2379,7 +2386,7 @@ class Fleet:
     def reuse(self, i, prompt):  # the leading blocks of prompt that instance i's index matches
         return len(self.instances[i].pool.index.match(prompt)[0])
 
-    def load(self, i, now):  # requests queued or in prefill: what a router counts
+    def load(self, i, now):  # requests not ended by now (end > now): what a router counts
         done = self.instances[i].done
         while len(done) > 0 and done[0] <= now:
             done.popleft()
@@ -2397,8 +2404,9 @@ def schedule_load(fleet, request, prompt, now):
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded once the busiest has 64 requests over the
-    idlest and 1.5x; else the longest prefix routed there if over 30%, else least. Ties: pick."""
+    """SGLang's and vLLM's routers: the least loaded once the busiest has over 64 requests more
+    than the idlest and over 1.5x its; else the longest prefix routed there if over 30%, else
+    least. Ties: pick."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
@@ -2443,7 +2451,7 @@ FIG5_ROWS = ("random", "load", "cache_aware", "local", "global")  # ratio: Fig. 
 class FleetRun:
     mean_ttft: float        # seconds from arrival to the end of the prefill
     p90_ttft: float
-    hit_rate: float         # full prompt blocks reused (cached or fetched) / full prompt blocks
+    hit_rate: float         # full prompt blocks reused (cached or fetched) / full ones, or 0
     prefill_seconds: float  # GPU seconds of prefill per request
     busiest_share: float    # the busiest instance's share of the prefill work
     instances: list
@@ -2630,8 +2638,9 @@ class HybridSequence:
 
     def append(self, token):
         """A decode step (vLLM's allocate_slots): window groups free the blocks now behind them,
-        last first, into the one eviction order; each group takes a block if its last is full.
-        NOTE: the check counts the room that makes; refused, vLLM has freed them, the lab not."""
+        last first, into the one eviction order; each group takes a block if its last is full; a
+        block it fills is cached in each group (_cache), its hash chained onto hashes. NOTE: the
+        check counts the room that makes; refused, vLLM has freed them, the lab not."""
         self._check_live()
         check_tokens([token])
         pool, n, tables = self.allocator, len(self.tokens), self.block_tables

@@ -2317,14 +2317,6 @@ class TestPart8Beams:
             cells = [float(c) for row in rows if row[:2] == (name, kind) for c in row[3:]]
             assert f"{min(cells):.1f}%-{max(cells):.1f}% ({name} {kind})" in spans
 
-    def test_the_section_counts_the_copies_a_fork_makes_mid_block_and_on_a_boundary(
-            self, lab, capsys, monkeypatch):
-        monkeypatch.setattr(lab.module, "SERVING_LIFETIMES", 0.5)
-        lab.demo_beam(16, None)
-        out, samples = capsys.readouterr().out, lab.NUM_SAMPLES[len(lab.NUM_SAMPLES) // 2]
-        assert re.search(rf"^   100 tokens, ending mid-block: {samples - 1} copies = ", out,
-                         re.MULTILINE)  # 6 blocks and 4 tokens: each writer but the last
-        assert re.search(r"^   96 tokens, ending on a boundary: 0 copies$", out, re.MULTILINE)
 
 
 class TestPart9Sweep:
@@ -2571,11 +2563,10 @@ class TestPart11Trace:
         out, err = capsys.readouterr()
         assert "the ceiling" in out and "lookahead 100" in out
         assert max(len(line) for line in out.splitlines()) <= 100
-        roomy = int(re.search(r"; on ([\d,]+)\n", out).group(1).replace(",", ""))
-        table = out.split("optimal/ceiling\n")[1].split("   the first pool")[0]
-        sizes = [int(line.split()[0].replace(",", "")) for line in table.splitlines()]
-        ratio = (roomy / sizes[0]) ** (1 / (lab.TRACE_SIZES - 1))  # a log scale up to roomy
-        assert sizes == [round(sizes[0] * ratio ** k) for k in range(lab.TRACE_SIZES - 1)] + [roomy]
+        rows = re.findall(r"^ +([\d,]+) +[\d,]+ +[\d.]+% +[\d.]+% ", out, re.MULTILINE)
+        sizes = [int(size.replace(",", "")) for size in rows[:lab.TRACE_SIZES]]  # the first table
+        ratio = (sizes[-1] / sizes[0]) ** (1 / (lab.TRACE_SIZES - 1))  # its last: never evicts
+        assert sizes == [round(sizes[0] * ratio ** k) for k in range(lab.TRACE_SIZES)]
         assert err.startswith("trace: replay 1 (lru, ")  # not a terminal: a line each
 
     class Terminal(io.StringIO):
@@ -2689,14 +2680,13 @@ class TestPart12Fleet:
     def test_load_counts_the_requests_not_yet_ended_and_forgets_the_ended(self, lab):
         fleet = lab.Fleet(1, 1, lab.FLEET_EFFICIENCIES[0], 0)
         fleet.instances[0].done.extend([1.0, 2.0, 3.0])
-        assert fleet.load(0, 2.0) == 1 and list(fleet.instances[0].done) == [3.0]
-        assert fleet.load(0, 5.0) == 0
+        assert fleet.load(0, 2.0) == 1 and fleet.load(0, 5.0) == 0  # one ending at 2.0 has ended
 
     def test_a_new_fleets_first_tie_goes_to_instance_0(self, lab):
         assert lab.Fleet(3, 1, lab.FLEET_EFFICIENCIES[0], 0).pick([0, 0, 0]) == 0
 
     def test_prompts_shorter_than_a_block_replay_with_a_hit_rate_of_0(self, lab):
-        assert lab.replay_fleet(timed(lab, [], [], length=100), 2, "global").hit_rate == 0.0
+        assert lab.replay_fleet(timed(lab, [7], [7], length=100), 2, "global").hit_rate == 0.0
 
     @pytest.mark.parametrize("scheduler", ["random", "load", "cache_aware", "ratio", "local",
                                            "global"])
@@ -2799,7 +2789,6 @@ class TestPart12Fleet:
         lab.demo_fleet(str(path), None)
         out = capsys.readouterr().out
         requests, many = lab.load_trace(str(path)), lab.FLEET_SIZES[0]
-        assert out.startswith(f"== fleet: 40 requests of {path.name} on prefill instances ==")
         runs = {s: lab.replay_fleet(requests, many, s) for s in lab.FIG5_ROWS} | {
             f"global r={r:g}": lab.replay_fleet(requests, many, "global", fetch_ratio=r)
             for r in lab.FETCH_RATIOS[1:]}
@@ -2983,7 +2972,8 @@ class TestPart13Hybrid:
         seq = lab.HybridSequence("r", pool, range(111), [None, 32])
         seq.append(111)  # group 1 drops blocks 0..4
         lab.check_invariants(pool, [seq])
-        seq.block_tables[1][0] = pool.allocate()  # one kept behind the window
+        kept = seq.block_tables[1][0] = pool.allocate()  # one kept behind the window, with
+        pool.kv_cache.slots[kept * 16:(kept + 1) * 16] = [None] * 16  # no KV: only that rule breaks
         with pytest.raises(AssertionError, match="window"):
             lab.check_invariants(pool, [seq])
         pool.free(seq.block_tables[1][0])
