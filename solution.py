@@ -2089,7 +2089,7 @@ def load_trace(path, limit=None):
 
 
 def parse_trace_line(line, where):
-    """A TraceRequest: TRACE_FIELDS, a timestamp >= 0, lengths ints >= 0 (0 is a request), hash
+    """A TraceRequest: TRACE_FIELDS, a timestamp a number >= 0, lengths ints >= 0 (0 is one), hash
     ids ints >= 0, one per 512 tokens; else ValueError naming where."""
     try:
         record = json.loads(line)
@@ -2311,8 +2311,9 @@ def trace_gap(sizes, rate):
 
 
 def trace_vs_mooncake(name, ceiling, lru_3m):
-    """This trace's ceiling and LRU at 3M tokens beside Mooncake's Table 2 and its 5.3.1; its row
-    is the Mooncake trace whose name (before any "&") is in name, else name with "-" cells."""
+    """This trace's ceiling and LRU at 3M tokens beside Mooncake's Table 2 and its 5.3.1. The row:
+    the Mooncake trace whose name (before any "&") is in name, else name, its ratio "-"; lru_3m
+    None: "-" for the LRU cells."""
     trace = next((t for t in MOONCAKE_RATIO if t.split("&")[0] in name), None)
     print(textwrap.fill(f'vs Mooncake (FAST\'25), quoted: "{MOONCAKE_3M}" (5.3.1); its Table 2 '
                         'gives each trace\'s "cache ratio"', 96, subsequent_indent="   "))
