@@ -2269,6 +2269,14 @@ class TestPart8Beams:
             "\n")[:4]
         assert all("[  0:4]" in row for row in rows)
 
+    def test_the_section_counts_the_copies_a_fork_makes_mid_block_and_on_a_boundary(
+            self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "SERVING_LIFETIMES", 0.5)
+        lab.demo_beam(16, None)
+        out = capsys.readouterr().out  # as the README's sample: 6 blocks and 4 tokens, then 6
+        assert re.search(r"^   100 tokens, ending mid-block: 3 copies = ", out, re.MULTILINE)
+        assert re.search(r"^   96 tokens, ending on a boundary: 0 copies$", out, re.MULTILINE)
+
     def test_a_serving_run_runs_the_groups_of_its_kind_on_the_drawn_prompts(self, lab,
                                                                             monkeypatch):
         calls = []  # (kind, prompt length, what it decodes)
