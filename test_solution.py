@@ -2623,6 +2623,16 @@ def timed(lab, *id_lists, at=0.0, length=None):
             for ids in id_lists]
 
 
+def prefix_trace(path, count, gap_ms):
+    """A trace file of count requests, gap_ms apart: 3 ids of one of 6 prefixes, then its own."""
+    rng = random.Random(4)
+    path.write_text("".join(json.dumps({"timestamp": gap_ms * i, "input_length": 512 * 4,
+                                        "output_length": 8, "hash_ids": [s, s + 1, s + 2,
+                                                                          100 + i]}) + "\n"
+                            for i, s in enumerate(rng.randrange(6) * 3 for _ in range(count))))
+    return str(path)
+
+
 class TestPart12Fleet:
 
     def test_a_lone_requests_ttft_is_its_prefill_by_equation_1(self, lab):
@@ -2761,13 +2771,8 @@ class TestPart12Fleet:
 
     def test_fig_10_prints_the_bars_of_a_mooncake_trace_and_the_setup_nearest_them(
             self, lab, tmp_path, capsys):
-        rng, path = random.Random(4), tmp_path / "synthetic_trace.jsonl"
-        path.write_text("".join(json.dumps({"timestamp": 50 * i, "input_length": 512 * 4,
-                                            "output_length": 8, "hash_ids": [s, s + 1, s + 2,
-                                                                              100 + i]}) + "\n"
-                                for i, s in enumerate(rng.randrange(6) * 3 for _ in range(60))))
-        requests = lab.load_trace(str(path))
-        lab.demo_fig10(requests, path.name)
+        requests = lab.load_trace(prefix_trace(tmp_path / "synthetic_trace.jsonl", 60, 50))
+        lab.demo_fig10(requests, "synthetic_trace.jsonl")
         out = capsys.readouterr().out
         local, seconds, pool, pool_seconds = lab.FIG10["synthetic"]
         assert re.search(rf"^   Fig\. 10, synthetic +{local:.1%} +{seconds:.2f} +{pool:.1%} +"
@@ -2789,14 +2794,10 @@ class TestPart12Fleet:
 
     def test_the_fleet_table_has_a_row_per_scheduler_and_fetch_ratio_from_their_replays(
             self, lab, tmp_path, capsys):
-        rng, path = random.Random(4), tmp_path / "small.jsonl"
-        path.write_text("".join(json.dumps({"timestamp": 400 * i, "input_length": 512 * 4,
-                                            "output_length": 8, "hash_ids": [s, s + 1, s + 2,
-                                                                              100 + i]}) + "\n"
-                                for i, s in enumerate(rng.randrange(6) * 3 for _ in range(40))))
-        lab.demo_fleet(str(path), None)
+        path = prefix_trace(tmp_path / "small.jsonl", 40, 400)
+        lab.demo_fleet(path, None)
         out = capsys.readouterr().out
-        requests, many = lab.load_trace(str(path)), lab.FLEET_SIZES[0]
+        requests, many = lab.load_trace(path), lab.FLEET_SIZES[0]
         runs = {s: lab.replay_fleet(requests, many, s) for s in lab.FIG5_ROWS} | {
             f"global r={r:g}": lab.replay_fleet(requests, many, "global", fetch_ratio=r)
             for r in lab.FETCH_RATIOS[1:]}
