@@ -2405,9 +2405,9 @@ def schedule_load(fleet, request, prompt, now):
 
 
 def schedule_cache_aware(fleet, request, prompt, now):
-    """SGLang's and vLLM's routers: the least loaded once the busiest has over 64 requests more
-    than the idlest and over 1.5x its; else the longest prefix routed there if over 30%, else
-    least. Ties: pick."""
+    """SGLang's and vLLM's routers: the least loaded once the busiest holds over 64 requests more
+    than the idlest, and over 1.5x as many; else the longest prefix routed there if over 30%,
+    else least. Ties: pick."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
