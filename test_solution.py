@@ -1623,6 +1623,12 @@ class TestPart6bRadixTree:
         lab.Sequence("x", pool, [9])  # evict 1: the leaf [3 4]
         assert pool.stats.evicted == 2 and tree_shape(pool.index.root) == {(1, 2): {}, (9,): {}}
 
+    def test_a_match_that_ends_where_a_node_ends_splits_nothing(self, lab):
+        pool = caching(lab, 8, 1, index="radix")
+        lab.Sequence("a", pool, [1, 2]).free()
+        lab.Sequence("b", pool, [1, 2, 3])  # matches the whole node [1 2], then adds [3]
+        assert tree_shape(pool.index.root) == {(1, 2): {(3,): {}}}
+
     def test_a_refused_admission_splits_nothing(self, lab):
         pool = caching(lab, 4, 1, index="radix")
         lab.Sequence("a", pool, [1, 2, 3]).free()
