@@ -2332,7 +2332,6 @@ class TestPart8Beams:
             assert f"{min(cells):.1f}%-{max(cells):.1f}% ({name} {kind})" in spans
 
 
-
 class TestPart9Sweep:
 
     def test_fragmentation_tables_and_fit_on_a_hand_computed_case(self, lab):
@@ -2991,7 +2990,7 @@ class TestPart13Hybrid:
         pool.kv_cache.slots[kept * 16:(kept + 1) * 16] = [None] * 16  # no KV: only that rule breaks
         with pytest.raises(AssertionError, match="window"):
             lab.check_invariants(pool, [seq])
-        pool.free(seq.block_tables[1][0])
+        pool.free(kept)
         seq.block_tables[1][0] = None
         pool.kv_cache.slots[seq.block_tables[1][6] * 16] = 999  # inside the window, overwritten
         with pytest.raises(AssertionError, match="read-back"):
