@@ -802,10 +802,9 @@ def hash_block_tokens(parent_hash, token_ids):
 
 
 class LRU:
-    """A block policy. Told when a block is inserted (cached), when blocks are added to the
-    evictable ones (their last reference freed, tail first) or removed from them (in use again),
-    it names the victim; now counts prompts admitted; len and `in`: the evictable blocks, LRU's
-    self.evictable (Part 11 reads it), least recently added first: vLLM's free queue, head first."""
+    """A block policy: told of each block inserted (cached), added to the evictable ones (its last
+    reference freed; tail first) or removed from them (in use again), it names the victim (now:
+    prompts admitted). len, `in`: self.evictable, least recently added first (vLLM's free queue)."""
 
     def __init__(self):
         self.evictable = OrderedDict()  # block -> None, least recently added first
@@ -836,9 +835,8 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 class HashIndex:
     """vLLM's index. block_of: hash -> its cached blocks, oldest first (cached_block_hash_to_block);
-    block_hash: cached block -> hash; the evictable blocks and victims are policy's (a POLICIES
-    name, or an object). Every index has the events match, lock, insert, release, evict(n), check;
-    len: the evictable blocks. Its fields pickle (the fuzz snapshots them), a policy's too."""
+    block_hash: cached block -> hash; the evictable blocks (len) and victims are policy's (a
+    POLICIES name, or an object). Its fields pickle (the fuzz snapshots them), a policy's too."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
@@ -1047,9 +1045,8 @@ class RadixIndex:
                                    root -> [1 2 3 4] -> {[5 6], [7 8]}
         c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unused leaf
         b, c freed; d = [20 .. 25] evict(3): [7 8], touched before c's leaf; then its parent
-    State: root; node_of, block -> node; free, its blocks nobody uses (SGLang's evictable_size_);
-    leaves, a LazyHeap of the unused leaves by (priority, id); clock, touches so far. Its fields
-    pickle (the fuzz snapshots the pool's fields): policy is the name, never the function."""
+    State (it pickles for the fuzz: policy is a name): root; node_of, block -> node; free, its
+    blocks nobody uses; leaves, a LazyHeap of the unused leaves by (priority, id); clock, ticks."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -2526,10 +2523,10 @@ def demo_fig10(requests, name):
     ratio, local, overall = (replay_fleet(requests, few, s) for s in ("ratio", "local", "global"))
     one, pooled = (replay_fleet(requests, 1, "load", cache_blocks=blocks)
                    for blocks in (THREE_M, few * THREE_M))  # one 3M-token LRU, one of 10 x 3M
-    setups = {"the paper's: by prefix ratio": (ratio, overall), "Algorithm 1: queue + prefill": (
-        local, overall), f"one {THREE_M:,}-block LRU": (one, pooled)}  # local, and its global
     rows = {label: (mine.hit_rate, mine.prefill_seconds, pool.hit_rate, pool.prefill_seconds)
-            for label, (mine, pool) in setups.items()}
+            for label, mine, pool in (("the paper's: by prefix ratio", ratio, overall),  # local,
+                                      ("Algorithm 1: queue + prefill", local, overall),  # global
+                                      (f"one {THREE_M:,}-block LRU", one, pooled))}
     print(f"2. local caches (each node its own) against global (Algorithm 1; for the LRU, one "
           f"{few * THREE_M:,}-block LRU),\n   {few} instances; Fig. 10's bars  hit rate  prefill "
           "s/req   global: hit rate  prefill  hits  prefill")
