@@ -2784,7 +2784,7 @@ class TestPart12Fleet:
                          rf"{pool_seconds:.2f} ", out, re.MULTILINE)  # its bars, this trace's
         few = lab.FLEET_SIZES[1]
         assert f"{few} instances; Fig. 10's bars" in out
-        runs = {"the paper's: by prefix ratio": ("ratio", few, "global", few, 1),
+        runs = {"by prefix ratio (paper's rule)": ("ratio", few, "global", few, 1),
                 "Algorithm 1: queue + prefill": ("local", few, "global", few, 1),
                 f"one {lab.THREE_M:,}-block LRU": ("load", 1, "load", 1, few)}  # pooled: few x 3M
         off = {}
@@ -2840,7 +2840,7 @@ class TestPart12Fleet:
 class TestPart13Hybrid:
 
     def test_allocation_example_block_by_block(self, lab):  # the doc's 112-token request: 11 blocks
-        windows, size, prompt = lab.VLLM_HYBRID
+        windows, size, prompt, held = lab.VLLM_HYBRID
         pool = lab.BlockAllocator(64, size)
         seq = lab.HybridSequence("r", pool, range(prompt), windows)
         assert seq.block_tables == [list(range(0, 7)), list(range(7, 14)), list(range(14, 21))]
@@ -2848,7 +2848,7 @@ class TestPart13Hybrid:
         lab.check_invariants(pool, [seq])
         seq.append(prompt)
         assert seq.block_tables == [list(range(7)), [None] * 5 + [12, 13], [None] * 5 + [19, 20]]
-        assert pool.num_used == 11 == 7 + 2 + 2
+        assert pool.num_used == held == 7 + 2 + 2
         lab.check_invariants(pool, [seq])
         seq.free()
         assert pool.num_used == 0
