@@ -2387,12 +2387,21 @@ class TestPart10Bench:
                                                                   block_size):
         monkeypatch.setattr(lab.module, "BENCH_POOLS", (2000, 1000))  # in any order
         monkeypatch.setattr(lab.module, "BENCH_REPEATS", 1)
+        monkeypatch.setattr(lab.module, "BENCH_TARGETS", (0.01, 1000, 0.01))  # missed, met, missed
         lab.demo_bench(block_size, None)
         out = capsys.readouterr().out
         assert out.count("x\n") >= 9 and "SHA-256 + a look-up" in out and "bytes a block" in out
         idle, per_block = (int(n.replace(",", "")) for n in re.search(
             r"idle ([\d,]+) bytes; (\d+) bytes a block", out).groups())
         assert per_block >= 8 * block_size and idle > 0  # a slot holds a pointer at least
+        shown = [float(re.search(pattern, out).group(1)) for pattern in (
+            r"ns/token: ([\d.]+)x plain", r"a look-up \d+: ([\d.]+)x", r"a plain one: ([\d.]+)x")]
+        verdicts = re.findall(r"([\d.]+)x (<=|>) ([\d.]+)x", out.split("their targets:")[1])
+        assert len(shown) == len(verdicts) == len(lab.BENCH_TARGETS) == 3
+        for seen, (ratio, sign, target), want in zip(shown, verdicts, lab.BENCH_TARGETS):
+            assert abs(float(ratio) - seen) <= 0.05 + 1e-9 and float(target) == want
+            assert (sign == "<=") == (float(ratio) <= want)  # the verdict follows the ratio
+        assert [sign for _, sign, _ in verdicts] == [">", "<=", ">"]
 
     def test_ns_per_op_times_each_run_with_the_collector_off_and_keeps_the_best(self, lab,
                                                                               monkeypatch):
@@ -2908,6 +2917,30 @@ class TestPart13Hybrid:
         lab.check_invariants(pool, [b])
         assert b.num_cached_tokens % 2 == 0 and b.num_cached_tokens <= 6
 
+    def test_the_sections_verdicts_follow_its_tables(self, lab, capsys):
+        lab.demo_hybrid(16, None)
+        out = capsys.readouterr().out
+        fits = {(m[0], int(m[1])): int(m[2].replace(",", "")) / int(m[3].replace(",", ""))
+                for m in re.findall(r"^   (\S+(?: \S+)*) +\d \+ \d x \d+ +(\d+)K +([\d,]+) +"
+                                    r"([\d,]+) +[\d.]+x +[\d.]+x$", out, re.MULTILINE)}
+        longest = lab.CONTEXTS[-1] // 1024
+        want = [f"{fits[name, longest] / (layers / full):.0%}"
+                for name, (layers, full, *_) in lab.HYBRID_MODELS.items()]
+        assert len(fits) == len(lab.HYBRID_MODELS) * len(lab.CONTEXTS)
+        assert f"at {longest}K the gain is {' and '.join(want)} of the bound" in out
+        rates = {(int(m[0].replace(",", "")), m[1]): float(m[2]) for m in re.findall(
+            r"^ +([\d,]+)  full \+ (\S+) +([\d.]+)% +[\d,]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE)}
+        gaps = {size: rates[size, "128"] - rates[size, "full"] for size, _ in rates}
+        size = max(gaps, key=lambda s: abs(gaps[s]))
+        assert len(rates) == 6 and gaps[size] != 0  # at 16 the window moves the hit rate
+        said = re.search(r"most at ([\d,]+) blocks: the window moves the hit rate ([+-][\d.]+) ",
+                         out)
+        assert said[1] == f"{size:,}" and abs(float(said[2]) - gaps[size]) <= 0.1 + 1e-9  # rounding
+
+    def test_the_section_says_so_when_the_window_moves_no_hit_rate(self, lab, capsys):
+        lab.demo_hybrid(256, None)  # pools of 32 blocks and less: every pair of rows equal
+        out = capsys.readouterr().out
+        assert "the window moves no hit rate" in out and "most at" not in out
 
     def snapshot(self, pool, *seqs):
         return pickle.dumps([vars(pool)] + [vars(s) | {"allocator": None} for s in seqs])
