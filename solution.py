@@ -615,9 +615,10 @@ def run_checks(block_size, seed):
     print("== correctness checks ==")
     print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
     print(f"{sharing_scenario(max(3, block_size)):<78} ok")  # size 1 or 2 cannot hold it
+    ops = 100  # random operations at each size
     for i, size in enumerate(sizes):
-        fuzz(BlockAllocator(12, size), random.Random(i + (0 if seed is None else seed)), 100)
-    label = f"random operations vs a plain-list model ({100 * len(sizes)}), refused ones inert"
+        fuzz(BlockAllocator(12, size), random.Random(i + (0 if seed is None else seed)), ops)
+    label = f"random operations vs a plain-list model ({ops * len(sizes)}), refused ones inert"
     print(f"{label:<78} ok")
 
 
@@ -1773,10 +1774,12 @@ def demo_beam(block_size, seed):
     seeds 6.. (or seed..) beside the paper's span, at SERVING_BLOCK_SIZE whatever block_size."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
-    print(f"1. a prompt forked into {samples} samples that each decode 8 tokens:")
+    decode = 8  # tokens each sample decodes
+    print(f"1. a prompt forked into {samples} samples that each decode {decode} tokens:")
     for prompt_len in (6 * block_size + max(1, block_size // 4), 6 * block_size):
-        pool = BlockAllocator(samples * cdiv(prompt_len + 8, block_size), block_size)
-        list(parallel_sampling(pool, list(range(prompt_len)), [8] * samples, random.Random(first)))
+        pool = BlockAllocator(samples * cdiv(prompt_len + decode, block_size), block_size)
+        list(parallel_sampling(pool, list(range(prompt_len)), [decode] * samples,
+                               random.Random(first)))
         copies, where = pool.num_copies, "mid-block" if prompt_len % block_size else "on a boundary"
         verdict = " =" if copies == samples - 1 else f", not {samples - 1}:"
         print(f"   {prompt_len} tokens, ending {where}: {plural(copies, 'copy', 'copies')}"
@@ -2755,7 +2758,8 @@ def demo_hybrid(block_size, seed):
     cached = [k for k in range(n) if keys[k] in pool.index.block_of]
     hits = [h for h in range(1, n) if set(range(max(0, h - window + 1), h)) <= set(cached)]
     taken = HybridSequence("q", pool, tokens, [window]).num_cached_tokens
-    print(f"2. vLLM's window-only example, window {window}, block size 1, {n} tokens:\n   cached "
+    print(f"2. vLLM's window-only example, window {window}, block size {pool.block_size}, {n} "
+          "tokens:\n   cached "
           f"{cached}, hits possible {hits}, taken {taken}\n   the doc's: {doc_cached}, {doc_hits}")
     print(f"3. requests that fit in {HYBRID_POOL_GIB} GiB of KV, each a prompt and a decode step "
           f"(block size {block_size})\n   model          groups (full, window)  context   as is  "
