@@ -42,8 +42,9 @@ Where the ideas come from:
             Qin et al., "Mooncake", USENIX FAST 2025 (its traces: Part 11; its fleet: 12)
     vLLM:   vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py (v1: the
             free queue, ref_cnt, hash_block_tokens, get_computed_blocks); vllm/core/block/
-            (v0: copy-on-write, swapping); v1's kv_cache_coordinator.py and
-            single_type_kv_cache_manager.py, docs/design/hybrid_kv_cache_manager.md (Part 13)
+            (v0, since removed by PR #25321: copy-on-write, swapping); v1's
+            kv_cache_coordinator.py and single_type_kv_cache_manager.py,
+            docs/design/hybrid_kv_cache_manager.md (Part 13)
     SGLang: python/sglang/srt/mem_cache/radix_cache.py and evict_policy.py; sgl-router's
             cache_aware policy
 
@@ -153,7 +154,8 @@ class KVCache:
         return slots + [None] * (self.block_size - len(slots))
 
     def gather(self, slot_mapping):
-        """The token in each slot of slot_mapping (vLLM's attention reads KV this way)."""
+        """The token in each slot of slot_mapping (vLLM writes KV by slot_mapping; its attention
+        reads through the block table)."""
         return [self.slots[slot] for slot in slot_mapping]
 
 
@@ -167,7 +169,9 @@ class BlockAllocator:
     not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not an int
     in 0..num_blocks - 1 (True is not block 1; refcount, read, copy_block too) or, to share, free
     or copy, not in use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool
-    queues every block in its free_block_queue at start-up; next_unused makes a new pool O(1)."""
+    queues every block in its free_block_queue at start-up (and keeps block 0 aside, its null
+    block); next_unused makes a new pool O(1). NOTE: vLLM's queue hands a freed table's uncached
+    blocks out tail first; given them tail first, this list hands out the head first."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -265,7 +269,8 @@ class BlockAllocator:
         return copy
 
     # The hooks a prefix cache (Part 6) overrides; a plain pool remembers nothing.
-    # vLLM's names: get_computed_blocks for share_cached_prefix, cache_full_blocks for cache_blocks.
+    # vLLM's names: get_computed_blocks (the match) and allocate_slots (the room, the touch) for
+    # share_cached_prefix, cache_full_blocks for cache_blocks.
     def share_cached_prefix(self, token_ids):
         """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
         check_tokens(token_ids)
@@ -401,8 +406,8 @@ class Sequence:
 
     def free(self):
         """Release every block, tail first, in one pool.free_blocks call (a prefix cache hears one
-        release a table). NOTE: tail first as vLLM's free queue and nano-vllm do, so a prefix cache
-        evicts a suffix before the prefix others are likelier to share."""
+        release a table). NOTE: tail first as vLLM's manager (free: reversed) and nano-vllm do, so
+        a prefix cache evicts a suffix before the prefix others are likelier to share."""
         self._check_live()
         self.allocator.free_blocks(self.block_table[::-1])
         self.block_table.clear()
@@ -789,15 +794,15 @@ def demo_sharing(block_size, seed):
 
 # 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
-NONE_HASH = bytes(32)  # the parent hash of a sequence's first block (vLLM's name)
+NONE_HASH = bytes(32)  # a first block's parent hash (vLLM's name; NOTE: its is os.urandom(32))
 
 
 def hash_block_tokens(parent_hash, token_ids):
     """A full block's hash: SHA-256 of (parent_hash or NONE_HASH, tuple(token_ids)) pickled at
     HIGHEST_PROTOCOL. Example, block_size 4: prompt 1..8 has h0 = hash_block_tokens(None,
     [1, 2, 3, 4]), h1 = hash_block_tokens(h0, [5, 6, 7, 8]); after 9, 9, 9, 9 the same second
-    block does not hash to h1. NOTE: no token compare on a hit, as vLLM (after GHSA-rm76-4mrf-v9r8,
-    Jan. 2025, it seeded hash() at random, offered SHA-256 from v0.8.3, its default by v0.11)."""
+    block does not hash to h1. NOTE: no token compare on a hit, as vLLM (after GHSA-rm76-4mrf-v9r8
+    it seeded hash(), made SHA-256 the default in v0.10.2; its tuple adds LoRA, media, salt)."""
     pair = (NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids))
     return hashlib.sha256(pickle.dumps(pair, pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -851,7 +856,7 @@ class HashIndex:
 
     def match(self, token_ids):
         """(the oldest cached block of each of the prompt's leading full blocks, hashes looked
-        up); changes nothing."""
+        up); changes nothing. NOTE: vLLM's Request keeps its block_hashes; this hashes afresh."""
         size, blocks, parent = self.block_size, [], None
         for k in range(len(token_ids) // size):
             parent = hash_block_tokens(parent, token_ids[k * size:(k + 1) * size])
@@ -928,8 +933,7 @@ class PrefixCachingAllocator(BlockAllocator):
         super().__init__(num_blocks, block_size)
         if index not in INDEXES:
             raise ValueError(f"index must be one of {', '.join(INDEXES)}, got {index!r}")
-        self.index = INDEXES[index](block_size, policy)
-        self.stats = CacheStats()
+        self.index, self.stats = INDEXES[index](block_size, policy), CacheStats()
 
     hits = property(lambda self: self.stats.hits)
     misses = property(lambda self: self.stats.misses)
@@ -940,8 +944,8 @@ class PrefixCachingAllocator(BlockAllocator):
         """Share the prompt's cached blocks once there is room for the rest (a revived block
         leaves num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
         = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are
-        checked: a hit's were, when written. NOTE: vLLM stops a token short (num_tokens - 1) to
-        compute the last logits; this lab reuses every block it finds."""
+        checked: a hit's were, when written. NOTE: vLLM, SGLang and mini-sglang stop a token short
+        (num_tokens - 1) to compute the last logits; this lab reuses every block it finds."""
         blocks, work = self.index.match(token_ids)
         reused = len(blocks) * self.block_size
         check_tokens(token_ids[reused:])
@@ -971,7 +975,7 @@ class PrefixCachingAllocator(BlockAllocator):
         """n blocks: an eviction's victims (in the order evicted), the free list's, the never used.
         It evicts the shortfall, n less the free blocks no cache entry holds, as SGLang's
         evict_from_tree_cache (mem_cache/common.py at 0057abe) and mini-sglang. NOTE: SGLang evicted
-        the whole need (evict(num_tokens)) at commit 2752c82; vLLM pops one queue of both."""
+        the whole need (evict(num_tokens)) at commit 2752c82; vLLM pops one queue, victims last."""
         short = check_int(n, "n", 0) - (self.num_free - len(self.index))
         self.ensure_free(n)  # the check, before any eviction
         if short > 0:
@@ -1021,8 +1025,8 @@ class LazyHeap:
 
 class RadixNode:
     """A run of cached blocks: tokens, blocks, children (by their first block's tokens), parent,
-    depth (blocks above it), last_access (the tree's clock at its last touch), id (numbered as
-    made, as SGLang's TreeNode: FIFO's priority and every tie's), growing (a decode run)."""
+    depth (blocks above it), last_access (the tree's clock at its last touch), growing (a decode
+    run), id (numbered as made, a decode run's at its end, as SGLang's creation_time: FIFO's)."""
     ids = itertools.count()
 
     def __init__(self, parent, depth, now, growing=False):
@@ -1128,7 +1132,7 @@ class RadixIndex:
         return node
 
     def split(self, node, i):
-        """SGLang's _split_node: a new parent takes blocks 0..i-1 and last_access."""
+        """SGLang's _split_node: a new parent gets blocks 0..i-1 and last_access (now)."""
         size, head = self.block_size, RadixNode(node.parent, node.depth, node.last_access)
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
         node.parent.children[tuple(node.tokens[:size])] = head
@@ -1144,7 +1148,8 @@ class RadixIndex:
         cache_finished_req, its path is touched (LRU orders paths by finish). The tree's free blocks
         stay, evictable (a node still used at its start splits there); returns the rest."""
         deepest = next((self.node_of[block] for block in blocks if block in self.node_of), None)
-        if deepest is not None:
+        if deepest is not None:  # a decode run is new now: SGLang makes its node at the finish
+            deepest.id = next(RadixNode.ids) if deepest.growing else deepest.id
             self.touch(deepest)
         kept = [block for block in free if block in self.node_of]
         self.free.update(kept)
@@ -1153,7 +1158,7 @@ class RadixIndex:
             while used > 0 and node.blocks[used - 1] in self.free:
                 used -= 1
             if used > 0:
-                self.split(node, used)  # a fork still uses the node's first blocks
+                self.split(node, used)  # NOTE: a fork uses its first blocks (SGLang has none)
             self.update(node)
         return [block for block in free if block not in self.node_of]
 
@@ -1216,12 +1221,12 @@ class FIFO(LRU):
 
 
 class S3FIFO(LRU):
-    """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim comes
+    """S3-FIFO (Yang et al., SOSP 2023): new blocks wait in a small FIFO queue. The victim comes
     from small while it holds >= 10% of the evictable blocks: its head, unless hit twice, which
     moves to the main FIFO queue; an evicted block's tokens join a ghost queue (as long as main, at
     least 1), and a block cached while remembered starts in main. Main gives a block hit since
-    another round, its hits (at most 3) less one. NOTE: 10%, 2 hits and the cap are libCacheSim's
-    (S3FIFO.c; its ghost holds 90% of the cache). A policy never hears of hits on blocks in use."""
+    another round, its hits (at most 3) less one. NOTE: 10%, 2 hits, the cap: libCacheSim's S3FIFO.c
+    (its ghost: 90% of the cache). Hits on blocks in use go unheard."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
@@ -1472,13 +1477,13 @@ class Preempted:
 
 
 class Scheduler:
-    """Each step on a GPU pool (a prefix-caching one too): resume the preempted, then, if none
-    waits, admit arrived ones, both by (arrival, req_id) while they fit, keeping 1% of blocks free
-    (NOTE: vLLM v0's watermark; at least 1 here); give each running one a token by req_id,
-    preempting, when blocks run out, the least recently stepped (ties: latest arrival, then
-    highest req_id) by "recompute" or "swap" to a host pool of its block size (else ValueError).
-    running, preempted: req_id -> Running, Preempted; finished: req_id -> its tokens. NOTE: vLLM
-    v1 preempts the last admitted (running.pop()), always recomputing; ours spares one resumed."""
+    """Each step on a GPU pool (caching or not): resume the preempted, then, if none waits, admit
+    arrived ones, both by (arrival, req_id) while they fit, keeping 1% of blocks free (NOTE: vLLM
+    v0's watermark; v1's is 0 unless set; at least 1 here); give each running one a token by req_id,
+    preempting, when blocks run out, the least recently stepped (ties: latest arrival, then highest
+    req_id) by "recompute" or "swap" to a host pool of its block size (else ValueError). running,
+    preempted: req_id -> Running, Preempted; finished: req_id -> its tokens. NOTE: vLLM v1 preempts
+    the last admitted (running.pop()), always recomputing; ours spares one resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):

@@ -1687,6 +1687,19 @@ class TestPart6bRadixTree:
         lab.Sequence("x", pool, [9, 9])
         assert tree_shape(pool.index.root) == {(1, 2): {(3, 4): {}}, (9, 9): {}}
 
+    def test_under_fifo_a_decode_run_counts_as_made_when_its_sequence_ends(self, lab):
+        pool = caching(lab, 5, 2, "fifo", "radix")  # SGLang inserts decode tokens at the finish
+        a = lab.Sequence("a", pool, [1, 2])
+        for token in (3, 4):
+            a.append(token)  # a's decode run starts here
+        b = lab.Sequence("b", pool, [9, 9])
+        for token in (5, 6):
+            a.append(token)
+        a.free()  # after b's prompt was cached: a's run [3 4 5 6] is the newer leaf
+        b.free()
+        lab.Sequence("c", pool, [20, 21, 22, 23])  # 1 block never used, then evict(1)
+        assert tree_shape(pool.index.root) == {(1, 2): {(3, 4, 5, 6): {}}, (20, 21, 22, 23): {}}
+
     def test_a_duplicate_block_is_freed_and_the_trees_block_used(self, lab):
         pool = caching(lab, 8, 2, index="radix")
         a, b = lab.Sequence("a", pool, [1]), lab.Sequence("b", pool, [1])  # nothing full: no hit
