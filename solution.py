@@ -1079,7 +1079,7 @@ class RadixIndex:
         ends; a match that ends where a node ends stops its decode run growing."""
         self.free.difference_update(revived)
         if len(blocks) > 0:
-            node = self.touch(self.node_of[blocks[-1]])
+            node = self.touch(self.node_of[blocks[-1]])  # NOTE: SGLang: at every match_prefix
             if len(blocks) - node.depth < len(node.blocks):
                 self.split(node, len(blocks) - node.depth)
             else:
