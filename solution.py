@@ -1145,8 +1145,8 @@ class RadixIndex:
 
     def release(self, blocks, free, now):
         """A table's blocks were freed (tail first; free: those nobody references now): as SGLang's
-        cache_finished_req, its path is touched (LRU orders paths by finish). The tree's free blocks
-        stay, evictable (a node still used at its start splits there); returns the rest."""
+        cache_finished_req, its path is touched, its decode run renumbered (LRU, FIFO: by finish);
+        the tree's free ones stay evictable (a node used at its start splits); returns the rest."""
         deepest = next((self.node_of[block] for block in blocks if block in self.node_of), None)
         if deepest is not None:  # a decode run is new now: SGLang makes its node at the finish
             deepest.id = next(RadixNode.ids) if deepest.growing else deepest.id
