@@ -1639,7 +1639,7 @@ def demo_evict(block_size, seed):
               f"{f'{st.swapped_out_blocks}/{st.swapped_in_blocks}':>14}  {st.host_fallbacks:>9}"
               f"  {st.steps:>5}")
     print(textwrap.fill(f'2. the paper (7.3), quoted: "{PAPER_73}"', 96, subsequent_indent="   "))
-    fastest = PREFILL_EFFICIENCIES[0]  # the fastest recompute, as in Fig. 19b
+    seeds, fastest = range(first, first + EVICT_SEEDS), PREFILL_EFFICIENCIES[0]  # Fig. 19b's
     restore = {e: FIG19A_SCALE * recompute_seconds(SWAP_TOKENS, e) for e in PREFILL_EFFICIENCIES}
     print(f"   its Fig. 19a restores {SWAP_TOKENS} tokens at each block size (benchmark_swap.py) "
           f"and plots recompute\n   x {FIG19A_SCALE:g} (plot_fig19_a.py): "
@@ -1656,7 +1656,6 @@ def demo_evict(block_size, seed):
             for t in COPY_LATENCY_S for r in restore.values()]
     print(f"   in {big}-token blocks (swap at its cheapest), at {low:g}-{high:g} us a copy, the "
           f"quote's 20% is {min(over):.0%} to {max(over):.0%} here")
-    seeds = range(first, first + EVICT_SEEDS)  # Fig. 19b's
     print(f"   end to end on our scheduler (Fig. 19b's quantity): last column seeds "
           f"{first}-{seeds[-1]}, the others seed {first}")
     print("   block  preemptions  restored tokens  recompute ms  swap ms  end to end")
@@ -2785,8 +2784,7 @@ def demo_hybrid(block_size, seed):
                   f"{fit[0] / max(1, fit[1]):>6.1f}x {layers / full:>5.1f}x")
         reach.append(f"{fit[0] / max(1, fit[1]) / (layers / full):.0%}")
     print(f"   at {CONTEXTS[-1] // 1024}K the gain is {' and '.join(reach)} of the bound, layers / "
-          "full-attention layers (" + ", ".join(f"{layers} / {full}" for layers, full, *_ in
-                                                HYBRID_MODELS.values()) + ")")
+          "full-attention layers")
     stream, window = chat_stream(4 if seed is None else seed), HYBRID_MODELS["gpt-oss-120b"][2]
     print(f"4. prefix caching: Part 6's {len(stream)} chat requests, gpt-oss's groups (full, "
           f"window {window}) against two full")
