@@ -941,11 +941,11 @@ class PrefixCachingAllocator(BlockAllocator):
     num_cached = property(lambda self: len(self.index))
 
     def share_cached_prefix(self, token_ids):
-        """Share the prompt's cached blocks once there is room for the rest (a revived block
-        leaves num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
-        = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are
-        checked: a hit's were, when written. NOTE: vLLM, SGLang and mini-sglang stop a token short
-        (num_tokens - 1) to compute the last logits; this lab reuses every block it finds."""
+        """Share the prompt's cached blocks once there is room for the rest (a revived block leaves
+        num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b" = 0..7,
+        50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are checked: a hit's
+        were, when written (radix: by match). NOTE: vLLM, SGLang and mini-sglang stop a token short
+        (num_tokens - 1) for the last logits; this lab reuses every block found."""
         blocks, work = self.index.match(token_ids)
         reused = len(blocks) * self.block_size
         check_tokens(token_ids[reused:])
@@ -1049,8 +1049,8 @@ class RadixIndex:
                                    root -> [1 2 3 4] -> {[5 6], [7 8]}
         c = [10 .. 15]             2 unused blocks, then evict(1): [5 6], the unused leaf
         b, c freed; d = [20 .. 25] evict(3): [7 8], touched before c's leaf; then its parent
-    State (it pickles for the fuzz: policy is a name): root; node_of, block -> node; free, its
-    blocks nobody uses; leaves, a LazyHeap of the unused leaves by (priority, id); clock, ticks."""
+    State (it pickles: policy is a name): root; node_of, block -> node; free, a set of blocks nobody
+    uses; leaves, a LazyHeap of unused leaves by (priority, id); clock, ticks (now is unused)."""
 
     def __init__(self, block_size, policy="lru"):
         if policy not in PRIORITIES:
@@ -1062,7 +1062,7 @@ class RadixIndex:
         return len(self.free)
 
     def match(self, token_ids):
-        """As HashIndex.match, in children looked up; it compares tokens, so it checks them."""
+        """As HashIndex.match, in children looked up; it checks all tokens first (True == 1)."""
         token_ids = check_tokens(token_ids)  # a list: a tuple's slices never equal a node's
         size, node, blocks, work = self.block_size, self.root, [], 0
         for k in range(len(token_ids) // size):
@@ -1087,9 +1087,10 @@ class RadixIndex:
 
     def insert(self, table, tokens, first, last, now, decode):
         """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
-        insert: each node on the way gets the clock, then splits where they branch off; a new node
-        holds them, or decode fills their decode run's (SGLang inserts it at the finish). Block k,
-        if the tree has its tokens there, is a duplicate: returns (k, the tree's block) for each."""
+        insert: a touch of the first node (the next tick), which each node on the way gets, splits
+        where they branch off; a new node holds them, or decode fills their decode run's (SGLang
+        inserts it at the finish). Block k, if the tree has its tokens there, is a duplicate:
+        returns (k, the tree's block) for each."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
@@ -1132,7 +1133,7 @@ class RadixIndex:
         return node
 
     def split(self, node, i):
-        """SGLang's _split_node: a new parent gets blocks 0..i-1 and last_access (now)."""
+        """SGLang's _split_node: a new parent gets blocks 0..i-1 and node's last_access."""
         size, head = self.block_size, RadixNode(node.parent, node.depth, node.last_access)
         head.tokens, head.blocks = node.tokens[:i * size], node.blocks[:i]
         node.parent.children[tuple(node.tokens[:size])] = head
@@ -1328,8 +1329,8 @@ def demo_cache(block_size, seed):
     x, y, z = (list(range(k * block_size, (k + 1) * block_size)) for k in range(3))
     a, b = Sequence("a", pool, x + y), Sequence("b", pool, z + y)  # the tokens y, twice
     chained = [pool.index.block_hash[seq.block_table[1]].hex()[:8] for seq in (a, b)]
-    print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both")
-    print(f"   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
+    print(f"3. chained hashes: a = X+Y, b = Z+Y, the same {plural(block_size, 'token')} Y in both"
+          f"\n   Y's tokens alone hash to {hash_block_tokens(None, y).hex()[:8]} in both: a per-"
           "block cache would give b a's KV")
     print(f"   chained, Y's hashes are {chained[0]} and {chained[1]}: "
           f"{'the same' if chained[0] == chained[1] else 'different'}, so b holds {b.block_table}")
@@ -1370,9 +1371,8 @@ def cache_vllm_example():
     """vLLM's worked example, step by step; returns each step's block map."""
     pool, live, maps = PrefixCachingAllocator(10, 4), {}, []
     print(f"2. vLLM's worked example (docs/design/prefix_caching.md): {pool.num_blocks} blocks of "
-          f"{pool.block_size} tokens;")
-    print(f"   requests 1 and 2 begin with {VLLM_SAME[1]} and {VLLM_SAME[2]} of request 0's "
-          "tokens; block:ref-count, * cached")
+          f"{pool.block_size} tokens;\n   requests 1 and 2 begin with {VLLM_SAME[1]} and "
+          f"{VLLM_SAME[2]} of request 0's tokens; block:ref-count, * cached")
     for time_, request, count in VLLM_EXAMPLE:
         hits, same = pool.hits, VLLM_SAME.get(request, 0)
         if request not in live:  # a new prompt
