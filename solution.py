@@ -2579,14 +2579,15 @@ class HybridSequence:
     W >= 1. Invariant: a table has cdiv(len(tokens), block_size) entries, entry i None (vLLM's null
     block, a pool block it sets aside) exactly when i < skipped_tokens(W, n) // block_size, n =
     num_cached_tokens before any append, len(tokens) - 1 after (vLLM's remove_skipped_blocks).
-    Block size 16, windows [None, 32], 111 tokens: tables of 7; append frees window blocks 4..0.
-    State: seq_id, allocator, windows, tokens, block_tables, num_prompt_tokens, num_cached_tokens,
-    hashes, is_freed. Refusals, changing nothing: Sequence's; TypeError or ValueError for windows
-    not a non-empty list of None or ints >= 1, ValueError for a pool off the hash index;
-    OutOfBlocksError. NOTE: a prefill in one chunk, whose window groups hold every block until the
-    first append; vLLM prefills in chunks, frees behind the window between them, and admits at
-    most cdiv(W - 1 + chunk, block_size) + 1 blocks a window group (max_admission_blocks_per_
-    request). NOTE: no fork, so no copy-on-write: vLLM v1 shares full blocks only."""
+    Block size 16, windows [None, 32], 111 tokens: tables of 7, taken group by group (0..6, 7..13);
+    append frees window blocks 4..0. State: seq_id, allocator, windows, tokens, block_tables,
+    num_prompt_tokens, num_cached_tokens, hashes (each full block's, any pool), is_freed. A caching
+    pool counts a prompt as share_cached_prefix does; a hit: blocks every group serves, the oldest
+    copy. Refusals, changing nothing: Sequence's; TypeError or ValueError for windows not a
+    non-empty list of None or ints >= 1, ValueError for a pool off the hash index; OutOfBlocksError.
+    NOTE: one prefill chunk, its window blocks held until the first append; vLLM frees behind the
+    window between chunks and caps a window group's admission (max_admission_blocks_per_request).
+    NOTE: no fork, so no copy-on-write: vLLM v1 shares full blocks only."""
 
     def __init__(self, seq_id, pool, tokens, windows):
         if not isinstance(pool, BlockAllocator):
@@ -2625,7 +2626,8 @@ class HybridSequence:
     def _find_hit(self):
         """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens, as vLLM's
         HybridKVCacheCoordinator: from the right, W needs cdiv(W - 1, block_size) blocks before
-        the end, full attention all, until none shortens it. NOTE: vLLM caches no window-1 block."""
+        the end, full attention all, until none shortens it. NOTE: vLLM caches no window-1 block
+        (reachable_block_mask); here one serves any length."""
         index, size, hit = self.allocator.index, self.allocator.block_size, 0
         end = max(0, len(self.tokens) - 1) // size  # NOTE: vLLM recomputes the last token
         while hit != end:  # NOTE: vLLM looks up groups of one window together: the same hit
