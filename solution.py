@@ -808,8 +808,8 @@ def hash_block_tokens(parent_hash, token_ids):
 
 
 class LRU:
-    """A block policy: told of each block inserted (cached), added to the evictable ones (its last
-    reference freed; tail first) or removed from them (in use again), it names the victim (now:
+    """A block policy: told of each block inserted, added to the evictable ones (its last reference
+    freed; tail first) or removed from them (in use again), it names a victim and drops it (now:
     prompts admitted). len, `in`: self.evictable, least recently added first (vLLM's free queue)."""
 
     def __init__(self):
@@ -840,9 +840,10 @@ POLICIES = {"lru": LRU}  # the block policies; 6c adds two
 
 
 class HashIndex:
-    """vLLM's index. block_of: hash -> its cached blocks, oldest first (cached_block_hash_to_block);
-    block_hash: cached block -> hash; the evictable blocks (len) and victims are policy's (a
-    POLICIES name, or an object). Its fields pickle (the fuzz snapshots them), a policy's too."""
+    """vLLM's index. block_of: hash -> {its cached blocks: None}, oldest first (vLLM's
+    cached_block_hash_to_block); block_hash: cached block -> hash; the evictable blocks (len) and
+    victims are policy's: a POLICIES name (else ValueError) or an object. check's in_use: the
+    pool's ref_cnt. Its fields pickle (the fuzz snapshots them), a policy's too."""
 
     def __init__(self, block_size, policy="lru"):
         if isinstance(policy, str) and policy not in POLICIES:
@@ -938,14 +939,14 @@ class PrefixCachingAllocator(BlockAllocator):
     hits = property(lambda self: self.stats.hits)
     misses = property(lambda self: self.stats.misses)
     hit_rate = property(lambda self: self.hits / max(1, self.hits + self.misses))
-    num_cached = property(lambda self: len(self.index))
+    num_cached = property(lambda self: len(self.index))  # the evictable ones (the contract's)
 
     def share_cached_prefix(self, token_ids):
         """Share the prompt's cached blocks once there is room for the rest (a revived block leaves
-        num_free), or nothing. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b" = 0..7,
-        50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are checked: a hit's
-        were, when written (radix: by match). NOTE: vLLM, SGLang and mini-sglang stop a token short
-        (num_tokens - 1) for the last logits; this lab reuses every block found."""
+        num_free), else OutOfBlocksError. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
+        = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are checked:
+        a hit's were, when written (radix: by match). NOTE: vLLM, SGLang, mini-sglang stop a token
+        short (num_tokens - 1) for the last logits; here every block found is reused."""
         blocks, work = self.index.match(token_ids)
         reused = len(blocks) * self.block_size
         check_tokens(token_ids[reused:])
@@ -960,6 +961,7 @@ class PrefixCachingAllocator(BlockAllocator):
         return blocks, reused
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
+        """The hook; a block the index holds (radix): share the index's, free_blocks ours."""
         for k, block in self.index.insert(table, tokens, first, last, self.stats.prompts, decode):
             self.share_blocks([block])  # the index's copy of block k's tokens: a duplicate
             self.free_blocks([table[k]])  # ours goes back as any freed block (its index hears)
@@ -1164,7 +1166,7 @@ class RadixIndex:
         return [block for block in free if block not in self.node_of]
 
     def update(self, node):  # SGLang's _update_leaf_status: a candidate is an unused leaf
-        if len(node.children) == 0 and node.blocks[0] in self.free:
+        if len(node.children) == 0 and node is not self.root and node.blocks[0] in self.free:
             self.leaves.push(node, (PRIORITIES[self.policy](node), node.id))
         else:
             self.leaves.discard(node)
@@ -1176,8 +1178,7 @@ class RadixIndex:
             node = self.leaves.pop()
             freed += node.blocks
             del node.parent.children[tuple(node.tokens[:self.block_size])]
-            if node.parent is not self.root:
-                self.update(node.parent)
+            self.update(node.parent)
         for block in freed:
             del self.node_of[block]
         self.free.difference_update(freed)
@@ -1340,8 +1341,8 @@ def demo_cache(block_size, seed):
     print_two_indexes([serve(PrefixCachingAllocator(tokens // block_size, block_size, "lru", index),
                            stream) for tokens in CACHE_POOLS for index in INDEXES])
     tokens = CACHE_POOLS[len(CACHE_POOLS) // 2]  # a pool under pressure
-    print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU")
-    print("   order            index                 hits   blocks evicted")
+    print(f"5. cache-aware order: batches of {WAITING} waiting requests, {tokens}-token pool, LRU\n"
+          "   order            index                 hits   blocks evicted")
     for order, name in itertools.product(("arrival", "longest prefix"), INDEXES):  # batches
         pool = PrefixCachingAllocator(tokens // block_size, block_size, "lru", name)
         for batch in (stream[i:i + WAITING] for i in range(0, len(stream), WAITING)):
@@ -1352,9 +1353,8 @@ def demo_cache(block_size, seed):
 
 def print_two_indexes(pools):
     """A row per pool, hash and radix in turn; then one sentence on where the two differ."""
-    print("   look-ups: hashes computed (hash), children looked up (radix)")
-    print("   pool blocks  index     hits  hit rate  evictions  blocks freed  beyond need  "
-          "look-ups/prompt")
+    print("   look-ups: hashes computed (hash), children looked up (radix)\n   pool blocks  index"
+          "     hits  hit rate  evictions  blocks freed  beyond need  look-ups/prompt")
     for pool, kind in zip(pools, itertools.cycle(INDEXES)):
         st = pool.stats
         print(f"   {pool.num_blocks:>11,}  {kind:<5}  {pool.hits:>7,}  {pool.hit_rate:>8.1%}  "
