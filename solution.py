@@ -2148,8 +2148,8 @@ class Lookahead(LRU):
     it. Lookahead(0) is LRU; Lookahead(math.inf) is Belady's optimum (NOTE: a parent's next
     use is never after its child's, and the tie goes to the child, freed first).
     State: evictable, block -> (next use, when added); order, those used outside the window,
-    LRU first; near, a LazyHeap of the rest, farthest use first; later, order's blocks with a
-    use, nearest first, moved to near as the window reaches them."""
+    LRU first; near, a LazyHeap of the rest, farthest use first; later, a LazyHeap of order's
+    blocks with a use, nearest first, moved to near as the window reaches them."""
 
     def __init__(self, window, future=None):
         self.window, self.future, self.uses = window, future, {}  # block -> its tokens' uses
@@ -2244,7 +2244,8 @@ def progress(line):
 
 def demo_trace(path, limit, block_size, index="hash"):
     """Replay path's requests at each pool size and policy the tables print, each once; with
-    index "radix", LRU on both indexes at every size too."""
+    index "radix", LRU on both indexes at every size too. ValueError if no hash id repeats. Each
+    replay's progress line: "trace: replay N (policy, index, S blocks)", N from 1, erased after."""
     requests = load_trace(path, limit)
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
@@ -2298,12 +2299,13 @@ def demo_trace(path, limit, block_size, index="hash"):
 
 
 def trace_gap(sizes, rate):
-    """Online policies against LRU and the optimum, rate(policy, size) each: hit rate, and
-    the share of the optimum's lead over LRU recovered ("-" where LRU has the optimum's hits)."""
+    """Online policies against LRU and the optimum, rate(policy, size) each (policy: a name, or
+    a look-ahead's window, an int): hit rate, and the share of the optimum's lead over LRU
+    recovered ("-" where LRU has the optimum's hits)."""
     print("online policies: hit rate (the share of the optimum's lead over LRU recovered); "
           "lookahead W:")
     print("   evict the block whose next use in the next W prompts is farthest")
-    print("   policy       " + "".join(f"{s:>14,} blocks" for s in sizes))
+    print(f"   {'policy':<14}" + "".join(f"{s:>10,} blocks" for s in sizes))
     def recovered(policy, s):  # None where LRU already has the optimum's hits: no lead
         lead = rate("optimal", s) - rate("lru", s)
         return None if lead <= 0 else round((rate(policy, s) - rate("lru", s)) / lead, 2) + 0.0
