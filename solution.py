@@ -615,7 +615,7 @@ def sharing_scenario(size, pool_class=BlockAllocator, seq_class=Sequence, done=N
 def run_checks(block_size, seed):
     """The checks at sizes 1, 3 and block_size (sorted, each once): block boundary, sharing (at
     max(3, block_size)), then fuzz on a 12-block pool, 100 operations at the i-th size,
-    random.Random(i + seed) (None: 0)."""
+    random.Random(i + seed) (None: 0), its Counter unused; a line each, as the README shows."""
     sizes = sorted({1, 3, block_size})  # the block sizes checked
     print("== correctness checks ==")
     print(f"{check_block_boundary(sizes):<78} ok")  # a failing check raises, naming what broke
