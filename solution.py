@@ -1090,9 +1090,8 @@ class RadixIndex:
     def insert(self, table, tokens, first, last, now, decode):
         """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
         insert: a touch of the first node (the next tick), which each node on the way gets, splits
-        where they branch off; a new node holds them, or decode fills their decode run's (SGLang
-        inserts it at the finish). Block k, if the tree has its tokens there, is a duplicate:
-        returns (k, the tree's block) for each."""
+        where they branch off; a new node holds them, or decode fills their decode run's. Block k,
+        if the tree has its tokens there, is a duplicate: returns (k, the tree's block) for each."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
@@ -1151,7 +1150,7 @@ class RadixIndex:
         cache_finished_req, its path is touched, its decode run renumbered (LRU, FIFO: by finish);
         the tree's free ones stay evictable (a node used at its start splits); returns the rest."""
         deepest = next((self.node_of[block] for block in blocks if block in self.node_of), None)
-        if deepest is not None:  # a decode run is new now: SGLang makes its node at the finish
+        if deepest is not None:  # NOTE: SGLang inserts a decode run at the finish: new now
             deepest.id = next(RadixNode.ids) if deepest.growing else deepest.id
             self.touch(deepest)
         kept = [block for block in free if block in self.node_of]
@@ -1202,7 +1201,7 @@ INDEXES["radix"] = RadixIndex
 
 class FIFO(LRU):
     """Evict the block cached longest ago, whatever its reuse since: a hit does not save it.
-    evictable is a LazyHeap keyed by when each block was inserted (inserted: blocks so far)."""
+    evictable: a LazyHeap keyed by since[block], its latest insert's number (inserted: so far)."""
 
     def __init__(self):
         self.evictable, self.since, self.inserted = LazyHeap(), {}, 0
@@ -1223,12 +1222,13 @@ class FIFO(LRU):
 
 
 class S3FIFO(LRU):
-    """S3-FIFO (Yang et al., SOSP 2023): new blocks wait in a small FIFO queue. The victim comes
+    """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim comes
     from small while it holds >= 10% of the evictable blocks: its head, unless hit twice, which
-    moves to the main FIFO queue; an evicted block's tokens join a ghost queue (as long as main, at
-    least 1), and a block cached while remembered starts in main. Main gives a block hit since
-    another round, its hits (at most 3) less one. NOTE: 10%, 2 hits, the cap: libCacheSim's S3FIFO.c
-    (its ghost: 90% of the cache). Hits on blocks in use go unheard."""
+    moves to the main FIFO queue, hits reset; an evicted block's tokens join a ghost queue (as long
+    as main, at least 1), and a block cached while remembered starts in main. Main gives a block hit
+    since another round, its hits (at most 3) less one. small, main: OrderedDicts of evictable
+    blocks, a freed one at its queue's tail. NOTE: 10%, 2 hits and the cap are libCacheSim's
+    (S3FIFO.c; its ghost holds 90% of the cache). A policy never hears of hits on blocks in use."""
 
     def __init__(self):
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
