@@ -2374,7 +2374,9 @@ class Instance:
 
 
 class Fleet:
-    """Instances, their rules, a Random, last (chosen last; -1 at first): what schedulers ask."""
+    """Instances, their rules, a Random, last (chosen last, which replay_fleet sets; -1 at first):
+    what schedulers ask. A scheduler(fleet, request, prompt, now) returns (the instance, the prefix
+    blocks it reuses there, or None: its own cached ones)."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
                  ties=TIES[0], index="hash"):
@@ -2391,13 +2393,13 @@ class Fleet:
         return tied[0] if self.ties == "lowest index" else min(
             tied, key=lambda i: (i - self.last - 1) % len(keys))
 
-    def prefill(self, tokens, cached):  # seconds to prefill tokens past the first cached
+    def prefill(self, tokens, cached):  # seconds to prefill tokens past the first cached tokens
         return (flops(tokens) - flops(cached)) / (FLEET_FLOPS * self.efficiency)
 
     def queue(self, i, now):
         return max(0.0, self.instances[i].free_at - now)
 
-    def reuse(self, i, prompt):  # the leading blocks of prompt that instance i's index matches
+    def reuse(self, i, prompt):  # how many leading blocks of prompt instance i's index matches
         return len(self.instances[i].pool.index.match(prompt)[0])
 
     def load(self, i, now):  # requests not ended by now (end > now): what a router counts
@@ -2419,8 +2421,9 @@ def schedule_load(fleet, request, prompt, now):
 
 def schedule_cache_aware(fleet, request, prompt, now):
     """SGLang's and vLLM's routers: the least loaded once the busiest holds over 64 requests more
-    than the idlest, and over 1.5x as many; else the longest prefix routed there if over 30%,
-    else least. Ties: pick."""
+    than the idlest, and over 1.5x as many; else the longest run of request.hash_ids routed there
+    (seen) if over 30% of them, else the one that has seen fewest ids (SGLang: the smallest tree).
+    Ties: pick."""
     threshold, absolute, relative = ROUTER
     loads = [fleet.load(i, now) for i in range(len(fleet.instances))]
     if max(loads) - min(loads) > absolute and max(loads) > relative * min(loads):
@@ -2474,8 +2477,9 @@ class FleetRun:
 def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M, efficiency=None, seed=0,
                  **rules):
     """Replay requests on instances prefill instances of cache_blocks blocks, each sent where
-    FLEET_SCHEDULERS[scheduler] says: it waits for that queue (and any fetch), is prefilled past
-    what it reuses, cached there. rules: Fleet's. ValueError for none, or one over the cache."""
+    FLEET_SCHEDULERS[scheduler] says at its timestamp / 1000 s: prefilled past what it reuses from
+    max(then + any fetch, the queue's end), cached there at once. rules: Fleet's. ValueError for no
+    request, or one over the cache. p90: the nearest rank."""
     efficiency = FLEET_EFFICIENCIES[0] if efficiency is None else efficiency  # late-bound
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
@@ -2534,7 +2538,9 @@ def demo_fleet(path, limit):
 
 
 def demo_fig10(requests, name):
-    """Fig. 10 on FLEET_SIZES[1] instances: three local setups beside their globals, its bars."""
+    """Fig. 10 on FLEET_SIZES[1] instances: three local setups beside their globals (the LRU's: one
+    of FLEET_SIZES[1] x its blocks), its bars, "-" for both ratios where a local rate is 0; then
+    the setup nearest the bars: by the farther of its two hit rates, a tie by the nearer."""
     few, trace = FLEET_SIZES[1], next((t for t in FIG10 if t.split("&")[0] in name), None)
     ratio, local, overall = (replay_fleet(requests, few, s) for s in ("ratio", "local", "global"))
     one, pooled = (replay_fleet(requests, 1, "load", cache_blocks=blocks)
