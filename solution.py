@@ -1877,14 +1877,17 @@ def prefix_reuse_lost(block_size):
 
 def sweet_spot(fragmentation, budget):
     """Tables, copies and per-block work shrink as blocks grow, so grow them until the waste
-    bites: the last size, going up, before fragmentation reaches budget (None if the first)."""
+    bites: the last size, going up, before fragmentation (size -> waste) reaches (>=) budget
+    (None if the first)."""
     fits = list(itertools.takewhile(lambda s: fragmentation[s] < budget, sorted(fragmentation)))
     return fits[-1] if len(fits) > 0 else None
 
 
 def demo_sweep(block_size, seed):
-    """Prefix reuse lost; fragmentation, tables and fit by size, then the sweet spots at three
-    budgets, over SWEEP_SEEDS seeds from 8 (or seed), beside the paper's 7.2; SWEEP_SIZES only."""
+    """Prefix reuse lost; fragmentation, tables and fit by size (seed 8's, or seed's), then the
+    sweet spots at MAX_FRAGMENTATION x 0.5, 1 and 2, over SWEEP_SEEDS seeds from there, beside
+    the paper's 7.2 and a line of those at MAX_FRAGMENTATION ("at our 5% the sweet spots are 8,
+    8, 4 (Alpaca-like); ..."); SWEEP_SIZES only."""
     first = 8 if seed is None else seed
     print("== sweep: block size against fragmentation, block-table size, capacity, prefix reuse ==")
     print(f"prefix reuse lost: the share of a {SWEEP_SYSTEM_LEN}-token shared system prompt that "
@@ -1909,7 +1912,7 @@ def demo_sweep(block_size, seed):
                           f"{table_bytes / 1024:>10.1f}  {fit:>5}")
     print(f"sweet spot: grow the block until fragmentation would reach a budget; "
           f"{MAX_FRAGMENTATION * 100:g}% is ours, not the paper's")
-    print((f"   over {SWEEP_SEEDS} seeds    " + "".join(f"budget {budget:<14.1%}"
+    print((f"   {f'over {SWEEP_SEEDS} seeds':<17}" + "".join(f"budget {budget:<14.1%}"
                                                    for budget in budgets)).rstrip())
     for name in (ALPACA[0], SHAREGPT[0]):
         print((f"   {name + '-like':<17}" + "".join(
