@@ -1480,10 +1480,11 @@ class Scheduler:
     """Each step on a GPU pool (caching or not): resume the preempted, then, if none waits, admit
     arrived ones, both by (arrival, req_id) while they fit, keeping 1% of blocks free (NOTE: vLLM
     v0's watermark; v1's is 0 unless set; at least 1 here); give each running one a token by req_id,
-    preempting, when blocks run out, the least recently stepped (ties: latest arrival, then highest
-    req_id) by "recompute" or "swap" to a host pool of its block size (else ValueError). running,
-    preempted: req_id -> Running, Preempted; finished: req_id -> its tokens. NOTE: vLLM v1 preempts
-    the last admitted (running.pop()), always recomputing; ours spares one resumed."""
+    preempting, when blocks run out, the least recently stepped other one (ties: latest arrival,
+    then highest req_id) by "recompute" or "swap" to a host pool of its block size (else
+    ValueError). running, preempted: req_id -> Running, Preempted; finished: req_id -> its tokens.
+    NOTE: vLLM v1 preempts the last admitted (running.pop()), always recomputing; ours spares one
+    resumed."""
 
     def __init__(self, gpu, host, policy):
         if policy not in ("recompute", "swap") or (policy == "swap" and host is None):
@@ -1494,9 +1495,10 @@ class Scheduler:
         self.stats = PreemptionStats()
 
     def run(self, requests):
-        """Serve requests until every one finishes; return finished. Refused up front, changing
-        nothing: a req_id given twice or finished before (ValueError), a bad prompt or max_tokens
-        (TypeError or ValueError naming it), one that could never fit (ValueError: it waits)."""
+        """Serve requests until every one finishes (an idle step jumps to the next arrival, counted
+        in steps); return finished. Refused up front, changing nothing: a req_id given twice or
+        finished before (ValueError), a bad prompt or max_tokens (an int >= 0; TypeError or
+        ValueError naming it), one whose tokens never fit the free blocks less the margin."""
         requests, ids = list(requests), Counter(request.req_id for request in requests)
         for request in requests:
             if ids[request.req_id] > 1 or request.req_id in self.finished:
@@ -1599,7 +1601,8 @@ def preemption_workload(seed):
 
 
 def run_policy(policy, block_size, requests, host_tokens):
-    """Serve requests under policy; check every result, and that both pools end whole."""
+    """Serve requests under policy (plain pools, the host's at least a block); check every result
+    and that both pools end whole; the Scheduler's stats."""
     gpu = BlockAllocator(GPU_KV_TOKENS // block_size, block_size)
     host = BlockAllocator(max(1, host_tokens // block_size), block_size)
     scheduler = Scheduler(gpu, host, policy)
@@ -1621,7 +1624,9 @@ def recompute_seconds(tokens, efficiency):
 
 
 def demo_evict(block_size, seed):
-    """Recompute against swap at block_size (seed 5, or seed); then Fig. 19a and Fig. 19b."""
+    """Recompute against swap at block_size (seed 5, or seed); then Fig. 19a and Fig. 19b: a run
+    is its decode steps x DECODE_STEP_S plus recovery, recompute at the fastest prefill or swap
+    (out and in) of the blocks the recompute run preempted, at the lower copy latency."""
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     print(f"== evict: preemption by recompute vs swap ({EVICT_REQUESTS} ShareGPT-like requests, "
           f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
