@@ -1704,9 +1704,9 @@ PAPER_63 = ("We show 6.1% - 9.8% memory saving on parallel sampling and 37.6% - 
 
 def parallel_sampling(pool, prompt, outputs, rng):
     """len(outputs) samples of one prompt (the first, and forks of it), each decoding its own
-    number of tokens, as a generator: each step a sample at its length is freed, the others
-    append a token, then it yields the samples (a freed one holds no blocks), but not after the
-    step that frees the last."""
+    number of tokens, as a generator: each step, sample by sample, one at its length is freed,
+    one below it appends rng.randrange(32_000); then it yields the samples (a freed one holds no
+    blocks), but not after the step that frees the last."""
     samples = [Sequence(0, pool, prompt)]
     samples += [samples[0].fork(i) for i in range(1, len(outputs))]
     for step in range(max(outputs) + 1):
@@ -1723,8 +1723,9 @@ def beam_search(pool, prompt, width, output_len, rng):
     """Beam search with pruning over seeded random scores (no model), as a generator: each
     step every beam proposes width candidates, each its beam's log-prob + log(1 - rng.random()),
     drawn beam by beam; the best width survive, best first; a parent chosen by several is
-    forked (each fork a new seq_id, from 1), a parent chosen by none is freed; it yields the
-    beams. Then it frees them."""
+    forked (each fork a new seq_id, from 1; the parent itself goes on at its last pick), a parent
+    chosen by none is freed first; then each beam appends rng.randrange(32_000), best first, and
+    it yields the beams. Then it frees them."""
     beams, ids = [(0.0, Sequence(0, pool, prompt))], itertools.count(1)  # (log-prob, beam)
     for _ in range(output_len):
         best = sorted(((score + math.log(1 - rng.random()), i) for i, (score, _) in
@@ -1745,10 +1746,12 @@ def beam_search(pool, prompt, width, output_len, rng):
 def serving_saving(dataset, kind, width, seed, block_size):
     """The saving of one serving run, the artifact's way: 1 - 1 / mean(L / P), L the block-table
     entries and P the blocks in use after each step and its admissions, from step steps // 3 on
-    (its plot_fig15.py keeps 300-900 s of 900 s). The next request is admitted once all fit the
-    pool unshared (each table's entries, and a copy in flight); each step every group decodes. A
-    request draws from Random(seed) its prompt length, its output lengths (width of them for
-    parallel, one for beam), then its tokens; parallel_sampling or beam_search serves it."""
+    (its plot_fig15.py keeps 300-900 s of 900 s), steps = round(SERVING_LIFETIMES x the mean
+    output). Each step every group decodes, then the next request is admitted (its first next():
+    prefill and a token) while all fit the pool unshared: each table's final entries, plus one
+    for a copy. A request draws from Random(seed) its prompt length (draw_length, capped at
+    MAX_SEQ_LEN // 2), its output lengths (width of them for parallel, one for beam; capped at
+    MAX_SEQ_LEN less the prompt), then its tokens; parallel_sampling or beam_search serves it."""
     _, prompt_mean, output_mean = dataset
     rng, pool = random.Random(seed), BlockAllocator(SERVING_KV_TOKENS // block_size, block_size)
     groups, ratios, steps, ahead = {}, [], round(SERVING_LIFETIMES * output_mean), None
@@ -1779,8 +1782,9 @@ def serving_saving(dataset, kind, width, seed, block_size):
 
 
 def demo_beam(block_size, seed):
-    """Copies per fork, a beam search's block map, then the 6.3 table: each cell's saving for
-    seeds 6.. (or seed..) beside the paper's span, at SERVING_BLOCK_SIZE whatever block_size."""
+    """Copies per fork, a beam search's block map (its last yield; the header as below), then the
+    6.3 table: each cell's saving for seeds 6.. (or seed..) beside the paper's span, at
+    SERVING_BLOCK_SIZE whatever block_size."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
     decode = 8  # tokens each sample decodes
@@ -1806,8 +1810,8 @@ def demo_beam(block_size, seed):
                     "the logical and physical blocks in use at each step of a serving run "
                     f"(plot_fig15.py); ours the same, on a {SERVING_KV_TOKENS:,}-token pool kept "
                     f"full, {SERVING_BLOCK_SIZE} tokens a block as its:"))
-    print("   dataset   kind      n or k  " + "".join(f"seed {s:<4}" for s in seeds)
-          + " paper, over n or k")
+    print("   dataset   kind      n or k  " + "".join(f"{f'seed {s}':>9}" for s in seeds)
+          + "  paper, over n or k")
     spans, spread = [], 0.0
     quoted = iter(re.findall(r"(\S+%) - (\S+%)", PAPER_63))  # its spans, in our rows' order
     for dataset in (ALPACA, SHAREGPT):
