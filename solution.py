@@ -724,8 +724,8 @@ def demo_memory(block_size, seed):
     naive = admit_until_full(lambda i: reserve_max_len(naive_pool, request, MAX_LEN))
     paged = admit_until_full(lambda i: Sequence(i, paged_pool, request))
     print(f"== memory efficiency: sequences that fit in a {naive_pool.num_blocks}-block pool ==")
-    print(f"naive contiguous (reserve max_len={MAX_LEN})  : {naive:>4} sequences")
-    print(f"paged (allocate-on-demand, actual={ACTUAL_LEN})    : {paged:>4} sequences"
+    print(f"{f'naive contiguous (reserve max_len={MAX_LEN})':<42}: {naive:>4} sequences")
+    print(f"{f'paged (allocate-on-demand, actual={ACTUAL_LEN})':<42}: {paged:>4} sequences"
           f"   ({paged / naive:.1f}x)")
     naive_written, paged_written = written_share(naive_pool), written_share(paged_pool)
     print(f"slots in use that hold a token: naive {naive_written:.1%} ({1 - naive_written:.1%} "

@@ -1053,7 +1053,7 @@ class TestPart4Checks:
 
 SEED_LINES = """\
 == memory efficiency: sequences that fit in a 4096-block pool ==
-naive contiguous (reserve max_len=2048)  :   32 sequences
+naive contiguous (reserve max_len=2048)   :   32 sequences
 paged (allocate-on-demand, actual=768)    :   85 sequences   (2.7x)
 """, """\
 == prefix sharing: 50 requests, shared 1024-token system prompt ==
