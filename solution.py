@@ -137,7 +137,7 @@ class KVCache:
         self.block_size = block_size
         self.slots = []  # slot -> token id
 
-    def grow(self):
+    def grow(self):  # the next block's slots, None: never written
         self.slots += [None] * self.block_size
 
     def write(self, block, offset, token_ids):
@@ -145,7 +145,7 @@ class KVCache:
         start = block * self.block_size + offset
         self.slots[start:start + len(token_ids)] = token_ids
 
-    def copy(self, src, dst):
+    def copy(self, src, dst):  # dst's slots become src's
         self.slots[dst * self.block_size:(dst + 1) * self.block_size] = self.read(src)
 
     def read(self, block):
