@@ -1749,9 +1749,10 @@ def serving_saving(dataset, kind, width, seed, block_size):
     (its plot_fig15.py keeps 300-900 s of 900 s), steps = round(SERVING_LIFETIMES x the mean
     output). Each step every group decodes, then the next request is admitted (its first next():
     prefill and a token) while all fit the pool unshared: each table's final entries, plus one
-    for a copy. A request draws from Random(seed) its prompt length (draw_length, capped at
+    a table for a copy. A request draws from Random(seed) its prompt length (draw_length, capped at
     MAX_SEQ_LEN // 2), its output lengths (width of them for parallel, one for beam; capped at
-    MAX_SEQ_LEN less the prompt), then its tokens; parallel_sampling or beam_search serves it."""
+    MAX_SEQ_LEN less the prompt), then its tokens; parallel_sampling or beam_search serves it,
+    drawing from the same Random."""
     _, prompt_mean, output_mean = dataset
     rng, pool = random.Random(seed), BlockAllocator(SERVING_KV_TOKENS // block_size, block_size)
     groups, ratios, steps, ahead = {}, [], round(SERVING_LIFETIMES * output_mean), None
@@ -1782,9 +1783,9 @@ def serving_saving(dataset, kind, width, seed, block_size):
 
 
 def demo_beam(block_size, seed):
-    """Copies per fork, a beam search's block map (its last yield; the header as below), then the
-    6.3 table: each cell's saving for seeds 6.. (or seed..) beside the paper's span, at
-    SERVING_BLOCK_SIZE whatever block_size."""
+    """Copies per fork, a beam search's block map (its last yield: prompt 10, width 4, 7 steps,
+    Random(7), block size 4 whatever block_size), then the 6.3 table: each cell's saving for
+    seeds 6.. (or seed..) beside the paper's span, at SERVING_BLOCK_SIZE whatever block_size."""
     first, samples = 6 if seed is None else seed, NUM_SAMPLES[len(NUM_SAMPLES) // 2]
     print("== beam: parallel sampling and beam search on forked sequences ==")
     decode = 8  # tokens each sample decodes
