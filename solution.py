@@ -1950,7 +1950,8 @@ BENCH_TARGETS = (2, 2, 1.5)  # ours, at most: caching append / plain, admission 
 
 def ns_per_op(benches, repeats):
     """Best ns per operation of each (setup, *args) bench, setup(*args) giving (run, ops), in
-    turns so that every bench sees the same machine; setup outside the clock, the collector off."""
+    turns so that every bench sees the same machine; setup outside the clock (time.perf_counter),
+    the collector off."""
     best = [math.inf] * len(benches)
     for _ in range(repeats):
         for i, (setup, *args) in enumerate(benches):
@@ -2011,7 +2012,8 @@ def bench_free(prompts, block_size, pool_class):
 
 
 def bench_admission(num_blocks, prompts, block_size, floor=False):
-    """Admit prompts (each kept) on a warm prefix-caching pool; or the floor: SHA-256, a look-up."""
+    """Admit prompts (each kept) on a warm prefix-caching pool; or the floor, no pool: a block hash
+    (hash_block_tokens: pickle, SHA-256) and a dict look-up a full block; ops: the full blocks."""
     ops = sum(len(prompt) // block_size for prompt in prompts)
     if floor:
         cached = {}
@@ -2067,7 +2069,7 @@ def demo_bench(block_size, seed):
           f"boundary) {bare:.0f}: {ours / bare:.1f}x")
     print(f"   append on a prefix-caching pool {caching:.0f} ns/token: {caching / ours:.1f}x plain")
     print(f"   cache admission {admission:.0f} ns per prompt block ({len(prompts)} chat prompts); "
-          f"SHA-256 + a look-up {floor:.0f}: {admission / floor:.1f}x")
+          f"block hash + a look-up {floor:.0f}: {admission / floor:.1f}x")
     print(f"   free {cached_free:.0f} ns per block of those prompts on a prefix-caching pool, "
           f"{plain_free:.0f} on a plain one: {cached_free / plain_free:.1f}x")
     ratios = (caching / ours, admission / floor, cached_free / plain_free)

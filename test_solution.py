@@ -2403,7 +2403,7 @@ class TestPart10Bench:
         monkeypatch.setattr(lab.module, "BENCH_TARGETS", (0.01, 1000, 0.01))  # missed, met, missed
         lab.demo_bench(block_size, None)
         out = capsys.readouterr().out
-        assert out.count("x\n") >= 9 and "SHA-256 + a look-up" in out and "bytes a block" in out
+        assert out.count("x\n") >= 9 and "block hash + a look-up" in out and "bytes a block" in out
         idle, per_block = (int(n.replace(",", "")) for n in re.search(
             r"idle ([\d,]+) bytes; (\d+) bytes a block", out).groups())
         assert per_block >= 8 * block_size and idle > 0  # a slot holds a pointer at least
