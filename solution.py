@@ -794,7 +794,7 @@ def demo_sharing(block_size, seed):
 
 # 6a. The hash chain, LRU, the caching pool --------------------------------------------
 
-NONE_HASH = bytes(32)  # a first block's parent hash (vLLM's name; NOTE: its is os.urandom(32))
+NONE_HASH = bytes(32)  # a first block's parent hash (vLLM's name; NOTE: vLLM's: os.urandom(32))
 
 
 def hash_block_tokens(parent_hash, token_ids):
@@ -1749,7 +1749,7 @@ def serving_saving(dataset, kind, width, seed, block_size):
     (its plot_fig15.py keeps 300-900 s of 900 s), steps = round(SERVING_LIFETIMES x the mean
     output). Each step every group decodes, then the next request is admitted (its first next():
     prefill and a token) while all fit the pool unshared: each table's final entries, plus one
-    a table for a copy. A request draws from Random(seed) its prompt length (draw_length, capped at
+    each for a copy. A request draws from Random(seed) its prompt length (draw_length, capped at
     MAX_SEQ_LEN // 2), its output lengths (width of them for parallel, one for beam; capped at
     MAX_SEQ_LEN less the prompt), then its tokens; parallel_sampling or beam_search serves it,
     drawing from the same Random."""
