@@ -2447,6 +2447,75 @@ class TestPart10Bench:
         assert ops == 5
 
 
+    def test_each_bench_sets_up_the_pool_it_names_and_does_the_work_it_counts(self, lab,
+                                                                               monkeypatch):
+        pools = []
+        def recording(base):  # a pool class whose pools are kept, to look at after setup and run
+            class Recorded(base):
+                def __init__(self, *args):
+                    super().__init__(*args)
+                    pools.append(self)
+            return Recorded
+        run, ops = lab.bench_append(50, 40, 4, recording(lab.BlockAllocator))
+        pool = pools.pop()
+        assert ops == 40 and pool.next_unused == 10 and pool.num_used == 0  # warm: 10 handed out
+        run()
+        assert pool.num_used == 10 and pool.next_unused == 10  # the warm blocks, none new
+        run, ops = lab.bench_bare_append(3, 12, 4)  # 3 blocks: one popped at every 4th token
+        run()
+        assert ops == 12
+        run, ops = lab.bench_allocate_free(10, 5, 0.9, scan=True)  # 1 block free, given back
+        run()
+        assert ops == 5
+        monkeypatch.setattr(lab.module, "BlockAllocator", recording(lab.BlockAllocator))
+        run, ops = lab.bench_allocate_free(10, 5, 0.9)
+        pool = pools.pop()
+        assert ops == 5 and pool.num_used == 9  # 90% of the pool in use
+        run()
+        assert pool.num_used == 9
+        run, ops = lab.bench_fork_free(20, 3, 4, forks=5)
+        pool = pools.pop()
+        assert ops == 15 and pool.num_used == 3  # 5 forks of a 3-block sequence
+        run()
+        assert pool.num_used == 3 and pool.num_copies == 0
+        monkeypatch.undo()  # Sequence checks its pool against the module's BlockAllocator
+        prompts = [list(range(10)), list(range(100, 108))]  # 3 + 2 blocks of 4, 4 of them full
+        run, ops = lab.bench_free(prompts, 4, recording(lab.PrefixCachingAllocator))
+        pool = pools.pop()
+        assert ops == pool.num_blocks == pool.num_used == 5  # admitted before the clock
+        run()
+        assert pool.num_used == 0 and pool.num_cached == 4  # the full blocks stay, evictable
+        monkeypatch.setattr(lab.module, "PrefixCachingAllocator",
+                            recording(lab.PrefixCachingAllocator))
+        run, ops = lab.bench_admission(8, prompts, 4)
+        pool = pools.pop()
+        assert ops == 4 and pool.next_unused == 8 and pool.num_used == 0  # warm, all free
+        run()
+        assert pool.num_used == 5 and pool.next_unused == 8 and pool.misses == 4
+
+    def test_the_bench_prints_a_row_per_operation_and_per_pool(self, lab, capsys, monkeypatch):
+        monkeypatch.setattr(lab.module, "BENCH_POOLS", (2000, 1000, 3000))  # sorted when shown
+        monkeypatch.setattr(lab.module, "BENCH_REPEATS", 1)
+        lab.demo_bench(16, None)
+        lines = capsys.readouterr().out.splitlines()
+        assert [line[:3] for line in lines if re.match(r"\d\. ", line)] == ["1. ", "2. ", "3. "]
+        first = next(i for i, line in enumerate(lines) if line.startswith("1. scaling"))
+        assert lines[first].split()[2:5] == ["1,000", "2,000", "3,000"]
+        for line in lines[first + 1:first + 6]:  # five operations: a time per pool, the ratio
+            times = line.split()[-4:]
+            assert all(re.fullmatch(r"\d+", t) for t in times[:3]) and times[3].endswith("x")
+        assert [line.split()[0] for line in lines if "blocks: free list" in line] == [
+            "1,000", "2,000", "3,000"]
+        probe, fit = lab.PrefixCachingAllocator(1000, 16), 0
+        for prompt, _ in lab.chat_stream(4):  # the prompts the smallest pool holds, all kept
+            if lab.cdiv(len(prompt), 16) > probe.num_free:
+                break
+            lab.Sequence(fit, probe, prompt)
+            fit += 1
+        assert fit > 1 and sum(f"({fit} chat prompts)" in line for line in lines) == 1
+        assert sum(line.startswith("3. memory at 3,000 blocks") for line in lines) == 1
+
+
 def trace(lab, *id_lists, output=256):
     """Requests of whole 512-token ids (as in Mooncake's traces, an id means its prefix too)."""
     return [lab.TraceRequest(i, 512 * len(ids), output, list(ids))
