@@ -189,8 +189,8 @@ class BlockAllocator:
 
     @property
     def num_free(self):
-        """Blocks with no ref-count, num_blocks - num_used: a block a cache keeps aside
-        (audit_kept), on no free list, is free too."""
+        """Blocks with no ref-count, num_blocks - num_used: a block a cache keeps aside, on no
+        free list (list_free lists it), is free too."""
         return self.num_blocks - self.num_used
 
     def ensure_free(self, n):
@@ -218,6 +218,12 @@ class BlockAllocator:
             self.ref_cnt[block] = 1
             blocks.append(block)
         return blocks
+
+    def allocate_prompt(self, token_ids):
+        """(a prompt's blocks, the tokens they hold already), its tokens checked first: here
+        cdiv(len(token_ids), block_size) new blocks, holding none. A prefix cache (Part 6) shares
+        the cached ones first (vLLM: get_computed_blocks, then allocate_slots)."""
+        return self.allocate_many(cdiv(len(check_tokens(token_ids)), self.block_size)), 0
 
     def share(self, block):
         """One more reference to a block in use; returns it."""
@@ -252,6 +258,11 @@ class BlockAllocator:
                 ref_cnt[block] -= 1
         return unused
 
+    def list_free(self):
+        """Every free block, once each (for a check: O(num_blocks)): the given back, then the never
+        handed out; a prefix cache (Part 6) adds those it keeps aside."""
+        return [*self.free_block_ids, *range(self.next_unused, self.num_blocks)]
+
     def refcount(self, block):
         """block's references: 0 if it is free."""
         return self.ref_cnt.get(check_block(self, block, in_use=False), 0)
@@ -268,22 +279,11 @@ class BlockAllocator:
         self.num_copies += 1
         return copy
 
-    # The hooks a prefix cache (Part 6) overrides; a plain pool remembers nothing.
-    # vLLM's names: get_computed_blocks (the match) and allocate_slots (the room, the touch) for
-    # share_cached_prefix, cache_full_blocks for cache_blocks.
-    def share_cached_prefix(self, token_ids):
-        """(blocks shared, tokens they hold) for a prompt, its tokens checked first."""
-        check_tokens(token_ids)
-        return [], 0
-
     def cache_blocks(self, table, tokens, first, last, decode=False):
-        """Blocks first..last-1 of a block table now hold tokens[first * block_size:
-        last * block_size], the last of them maybe partly (a cache keeps full ones); decode: a
-        decode step filled the last block (SGLang caches those when the sequence finishes)."""
-
-    def audit_kept(self):
-        """The free blocks a cache keeps aside, as a list: [] here."""
-        return []
+        """The one hook, a prefix cache's (Part 6; vLLM's cache_full_blocks); a plain pool
+        remembers nothing. Blocks first..last-1 of a block table now hold tokens[first *
+        block_size:last * block_size], the last of them maybe partly (a cache keeps full ones);
+        decode: a decode step filled the last block (SGLang caches those when the sequence ends)."""
 
 
 def check_block(pool, block, in_use=True):
@@ -327,9 +327,9 @@ class Sequence:
     block_table (a BlockTable), is_freed. Refusals, changing nothing: TypeError for an
     allocator that is not a BlockAllocator, tokens not iterable, a token that is not an int
     (a bool is not); ValueError for a token below 0, and for any use of a freed sequence
-    (append, extend, read, fork, free), whose block table is empty (its tokens stay). A prompt
-    starts from the blocks pool.share_cached_prefix shares; with no tokens, it asks the pool
-    nothing (share_prefix makes one, and may then be refused)."""
+    (append, extend, read, fork, free), whose block table is empty (its tokens stay). A prompt's
+    blocks come from pool.allocate_prompt (a prefix cache's hold some of its tokens); with no
+    tokens, it asks the pool nothing (share_prefix makes one, and may then be refused)."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -339,7 +339,7 @@ class Sequence:
         self.tokens = []  # logical tokens, in order
         self.block_table = BlockTable(allocator.block_size)
         if len(token_ids) > 0:
-            blocks, reused = allocator.share_cached_prefix(token_ids)  # checks the tokens
+            blocks, reused = allocator.allocate_prompt(token_ids)  # checks the tokens
             self.block_table.extend(blocks)
             self.tokens.extend(token_ids[:reused])
             self._prefill(token_ids[reused:])
@@ -480,7 +480,7 @@ def audit(pool):
     """The pool's own bookkeeping, the free list first: each block with no ref-count is listed
     once (given back, never used, kept by a cache), none with one; then the counts: num_used is
     the blocks with a ref-count, num_free the rest."""
-    free = [*pool.free_block_ids, *range(pool.next_unused, pool.num_blocks), *pool.audit_kept()]
+    free = pool.list_free()
     expect(len(set(free)) == len(free) == pool.num_blocks - len(pool.ref_cnt) and
            pool.ref_cnt.keys().isdisjoint(free),
            "free list: a block is listed free twice, or while in use, or missing")
@@ -926,9 +926,9 @@ class CacheStats:
 
 class PrefixCachingAllocator(BlockAllocator):
     """A block pool that remembers full blocks, so later prompts with the same tokens reuse them.
-    index: a name in INDEXES, made with policy (ValueError otherwise), told each event through a
-    hook: match, lock (share_cached_prefix), insert (cache_blocks), release (free_blocks), evict(n)
-    (allocate_many), check (audit_kept). num_free counts evictable blocks (vLLM queues them)."""
+    index: a name in INDEXES, made with policy (ValueError otherwise), told each event from one
+    method: match, lock (allocate_prompt), insert (cache_blocks, the hook), release (free_blocks),
+    evict(n) (allocate_many), check (list_free). num_free counts evictable blocks, as vLLM's."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE, policy="lru", index="hash"):
         super().__init__(num_blocks, block_size)
@@ -941,24 +941,25 @@ class PrefixCachingAllocator(BlockAllocator):
     hit_rate = property(lambda self: self.hits / max(1, self.hits + self.misses))
     num_cached = property(lambda self: len(self.index))  # the evictable ones (the contract's)
 
-    def share_cached_prefix(self, token_ids):
-        """Share the prompt's cached blocks once there is room for the rest (a revived block leaves
-        num_free), else OutOfBlocksError. Example, block_size 4: "a" = 0..9 left [0, 1] cached; "b"
-        = 0..7, 50..54 gets ([0, 1], 8): 2 hits, 1 miss. Only the tokens after the hits are checked:
-        a hit's were, when written (radix: by match). NOTE: vLLM, SGLang, mini-sglang stop a token
-        short (num_tokens - 1) for the last logits; here every block found is reused."""
+    def allocate_prompt(self, token_ids):
+        """Share the prompt's cached blocks, then allocate the rest, once there is room for both (a
+        revived block leaves num_free), else OutOfBlocksError. Example, block_size 4: "a" = 0..9
+        left [0, 1] cached; "b" = 0..7, 50..54 gets ([0, 1, x, y], 8), x and y new: 2 hits, 1 miss.
+        Only the tokens after the hits are checked: a hit's were, when written (radix: by match).
+        NOTE: vLLM, SGLang, mini-sglang stop a token short (num_tokens - 1) for the last logits;
+        here every block found is reused."""
         blocks, work = self.index.match(token_ids)
-        reused = len(blocks) * self.block_size
+        reused, need = len(blocks) * self.block_size, cdiv(len(token_ids), self.block_size)
         check_tokens(token_ids[reused:])
         revived = [block for block in blocks if block not in self.ref_cnt]
-        self.ensure_free(cdiv(len(token_ids), self.block_size) - len(blocks) + len(revived))
+        self.ensure_free(need - len(blocks) + len(revived))
         self.stats.hits += len(blocks)
         self.stats.misses += len(token_ids) // self.block_size - len(blocks)
         self.stats.prompts += 1
         self.stats.work += work
         self.share_blocks(blocks)
         self.index.lock(blocks, revived, self.stats.prompts)
-        return blocks, reused
+        return blocks + self.allocate_many(need - len(blocks)), reused
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
         """The hook; a block the index holds (radix): share the index's, free_blocks ours."""
@@ -967,8 +968,8 @@ class PrefixCachingAllocator(BlockAllocator):
             self.free_blocks([table[k]])  # ours goes back as any freed block (its index hears)
             table[k] = block
 
-    def audit_kept(self):  # the index checks itself; its evictable blocks count as free
-        return self.index.check(self.ref_cnt)
+    def list_free(self):  # the index checks itself; its evictable blocks are free too
+        return [*super().list_free(), *self.index.check(self.ref_cnt)]
 
     def free_blocks(self, blocks):  # a cached block losing its last reference stays, evictable
         self.free_block_ids += self.index.release(blocks, self.unref(blocks), self.stats.prompts)
@@ -2605,7 +2606,7 @@ class HybridSequence:
     Block size 16, windows [None, 32], 111 tokens: tables of 7, taken group by group (0..6, 7..13);
     append frees window blocks 4..0. State: seq_id, allocator, windows, tokens, block_tables,
     num_prompt_tokens, num_cached_tokens, hashes (each full block's, any pool), is_freed. A caching
-    pool counts a prompt as share_cached_prefix does; a hit: blocks every group serves, the oldest
+    pool counts a prompt as allocate_prompt does; a hit: blocks every group serves, the oldest
     copy. Refusals, changing nothing: Sequence's; TypeError or ValueError for windows not a
     non-empty list of None or ints >= 1, ValueError for a pool off the hash index; OutOfBlocksError.
     NOTE: one prefill chunk, its window blocks held until the first append; vLLM frees behind the
@@ -2635,7 +2636,7 @@ class HybridSequence:
         hits = [block for table in self.block_tables for block in table if block is not None]
         revived = [block for block in hits if block not in pool.ref_cnt]
         pool.ensure_free(need * len(windows) + len(revived))  # check, then act
-        if caching:  # the counters share_cached_prefix keeps
+        if caching:  # the counters allocate_prompt keeps
             pool.stats.hits, pool.stats.prompts = pool.stats.hits + hit, pool.stats.prompts + 1
             pool.stats.misses += len(self.hashes) - hit
             pool.index.lock(pool.share_blocks(hits), revived, pool.stats.prompts)

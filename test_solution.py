@@ -72,7 +72,7 @@ def refused(call, exception, pool, sequences=()):
 
 def keeping(lab, num_blocks, block_size=2):
     """A pool that keeps each block its free_blocks frees aside (kept), in neither free_block_ids
-    nor next_unused.., as a prefix cache keeps its evictable blocks; audit_kept lists them, and
+    nor next_unused.., as a prefix cache keeps its evictable blocks; list_free lists them, and
     allocate_many takes them back, oldest first, once the two lists run short."""
     class Keeping(lab.BlockAllocator):
         def __init__(self, *args):
@@ -91,8 +91,8 @@ def keeping(lab, num_blocks, block_size=2):
                 self.free_block_ids.append(self.kept.pop(0))
             return super().allocate_many(n)
 
-        def audit_kept(self):
-            return list(self.kept)
+        def list_free(self):
+            return [*super().list_free(), *self.kept]
     return Keeping(num_blocks, block_size)
 
 
@@ -101,7 +101,7 @@ def num_free_by_num_used(pool):
 
 
 def num_free_by_counting(pool):  # given back, never used, kept by a cache (Part 6)
-    return len(pool.free_block_ids) + pool.num_blocks - pool.next_unused + len(pool.audit_kept())
+    return len(pool.list_free())
 
 
 NUM_FREE_WAYS = {"num_blocks - num_used": num_free_by_num_used,
@@ -223,14 +223,17 @@ class TestPart1Pool:
         pool.copy_block(b)
         assert pool.num_copies == 1 and pool.free_block_ids == [] and pool.next_unused == 3
 
-    def test_a_plain_pool_caches_nothing_but_checks_the_tokens(self, lab):
+    def test_a_plain_pool_gives_a_prompt_new_blocks_and_caches_nothing(self, lab):
         pool = lab.BlockAllocator(4, 2)
-        assert pool.share_cached_prefix([1, 2, 3]) == ([], 0) and pool.audit_kept() == []
         for bad, exception in (("a", TypeError), (-1, ValueError), (True, TypeError)):
-            refused(lambda tokens=(0, bad): pool.share_cached_prefix(list(tokens)), exception, pool)
-        block = pool.allocate()
+            refused(lambda tokens=(0, bad): pool.allocate_prompt(list(tokens)), exception, pool)
+        refused(lambda: pool.allocate_prompt(range(9)), lab.OutOfBlocksError, pool)  # 5 blocks
+        assert pool.allocate_prompt(range(3)) == ([0, 1], 0) and pool.refcount(1) == 1
+        assert sorted(pool.list_free()) == [2, 3] and pool.allocate_prompt([]) == ([], 0)
+        pool.free(0)
+        assert sorted(pool.list_free()) == [0, 2, 3]  # given back, then never handed out
         before = state(pool)
-        pool.cache_blocks([block], [1, 2], 0, 1)  # a plain pool remembers nothing
+        pool.cache_blocks([1], [1, 2], 0, 1)  # a plain pool remembers nothing
         assert state(pool) == before
 
     def test_cdiv_rounds_up_to_whole_blocks(self, lab):
@@ -403,10 +406,11 @@ class TestPart2Sequences:
 
     def test_a_prompt_starts_from_the_blocks_the_pools_cache_shares(self, lab):
         class Remembering(lab.BlockAllocator):  # a prefix cache, faked: [1, 2] is in block 0
-            def share_cached_prefix(self, token_ids):
+            def allocate_prompt(self, token_ids):
                 token_ids = list(token_ids)
-                hit = token_ids[:2] == [1, 2]
-                return ([self.share(0)], 2) if hit else ([], 0)
+                if token_ids[:2] != [1, 2]:
+                    return super().allocate_prompt(token_ids)
+                return [self.share(0), *self.allocate_many(lab.cdiv(len(token_ids), 2) - 1)], 2
         pool = Remembering(4, 2)
         pool.kv_cache.write(pool.allocate(), 0, [1, 2])
         seq = lab.Sequence("s", pool, [1, 2, 3])
@@ -442,9 +446,9 @@ class TestPart2Sequences:
         class Watched(lab.BlockAllocator):  # share_prefix makes one, then may be refused
             calls = []
 
-            def share_cached_prefix(self, token_ids):
-                self.calls.append("share_cached_prefix")
-                return super().share_cached_prefix(token_ids)
+            def allocate_prompt(self, token_ids):
+                self.calls.append("allocate_prompt")
+                return super().allocate_prompt(token_ids)
 
             def cache_blocks(self, *args, **kwargs):
                 self.calls.append("cache_blocks")
@@ -855,7 +859,7 @@ class TestPart4Checks:
                                                                               corrupt):
         pool = keeping(lab, 6)
         a, b = pool.allocate_many(2)
-        pool.free_blocks([a])  # kept aside (audit_kept), in neither list: free all the same
+        pool.free_blocks([a])  # kept aside (list_free), in neither list: free all the same
         if corrupt == "kept in use":
             pool.kept.append(b)
         elif corrupt == "kept and listed":
@@ -1240,7 +1244,8 @@ class TestPart6aHashChain:
         a = lab.Sequence("a", pool, range(10))
         first_two = list(a.block_table[:2])
         a.free()
-        assert pool.share_cached_prefix([*range(8), *range(50, 55)]) == (first_two, 8)
+        blocks, reused = pool.allocate_prompt([*range(8), *range(50, 55)])
+        assert (blocks[:2], len(blocks), reused, pool.num_used) == (first_two, 4, 8, 4)
         assert (pool.hits, pool.misses) == (2, 3)  # a: 2 misses; the lookup: 2 hits, 1 miss
 
     @pytest.mark.parametrize("prompt, exception", [
@@ -1276,10 +1281,10 @@ class TestPart6aHashChain:
         old, new = b.block_table[0], a.block_table[0]
         a.free()
         b.free()  # new is evictable first, then old
-        assert pool.num_cached == 2 and pool.share_cached_prefix(list(range(4)))[0] == [old]
+        assert pool.num_cached == 2 and pool.allocate_prompt(list(range(4)))[0] == [old]
         pool.free(old)
         pool.allocate()  # evicts new, the least recently freed: old stays offered
-        assert pool.num_cached == 1 and pool.share_cached_prefix(list(range(4)))[0] == [old]
+        assert pool.num_cached == 1 and pool.allocate_prompt(list(range(4)))[0] == [old]
         pool.free(old)
         pool.allocate()  # evicts old too: the hash is no longer cached
         assert pool.num_cached == 0 and pool.index.match(list(range(4))) == ([], 1)
@@ -1330,7 +1335,7 @@ class TestPart6aHashChain:
         lab.Sequence("a", pool, range(24)).free()  # 6 cached blocks, nothing else free
         lab.Sequence("b", pool, range(100, 112))  # 3 blocks: one eviction of 3
         assert (pool.stats.evictions, pool.stats.evicted, pool.stats.beyond) == (1, 3, 0)
-        assert pool.share_cached_prefix(list(range(12)))[1] == 12  # a's head outlived its tail
+        assert pool.allocate_prompt(list(range(12)))[1] == 12  # a's head outlived its tail
 
     def test_admission_is_atomic_when_the_pool_is_nearly_full_of_cached_blocks(self, lab):
         pool = caching(lab, 3)
@@ -1501,7 +1506,7 @@ class TestPart6aHashChain:
         monkeypatch.setitem(lab.INDEXES, "told", Told)
         return events
 
-    @pytest.mark.parametrize("way", NUM_FREE_WAYS)  # counted, num_free asks for audit_kept
+    @pytest.mark.parametrize("way", NUM_FREE_WAYS)  # counted, num_free asks for list_free
     def test_the_pool_tells_its_index_of_each_cache_event_once(self, lab, monkeypatch, told,
                                                                way):
         monkeypatch.setattr(lab.BlockAllocator, "num_free", property(NUM_FREE_WAYS[way]))
@@ -1783,7 +1788,7 @@ class TestPart6bRadixTree:
     def test_a_tuple_prompt_matches_what_its_list_matches(self, lab):
         pool = caching(lab, 8, 2, index="radix")
         lab.Sequence("a", pool, range(8)).free()
-        assert pool.share_cached_prefix(tuple(range(6)))[1] == 6  # as the hash chain's
+        assert pool.allocate_prompt(tuple(range(6)))[1] == 6  # as the hash chain's
 
     def test_the_work_of_admission_counts_the_children_looked_up(self, lab):
         pool = caching(lab, 8, 4, index="radix")
