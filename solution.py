@@ -2393,12 +2393,13 @@ class Fleet:
     what schedulers ask. A scheduler(fleet, request, prompt, now) returns (the instance, the prefix
     blocks it reuses there, or None: its own cached ones)."""
 
-    def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=FETCH_RATIOS[0],
-                 ties=TIES[0], index="hash"):
+    def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=None, ties=None,
+                 index="hash"):  # None: FETCH_RATIOS[0], TIES[0], read late (main checks them)
         self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1, index=index))
                           for _ in range(check_int(instances, "instances"))]
-        self.efficiency, self.rng, self.fetch_ratio = efficiency, random.Random(seed), fetch_ratio
-        self.ties, self.last = ties, -1
+        self.efficiency, self.rng = efficiency, random.Random(seed)
+        self.fetch_ratio = FETCH_RATIOS[0] if fetch_ratio is None else fetch_ratio
+        self.ties, self.last = TIES[0] if ties is None else ties, -1
 
     def pick(self, keys):
         """The instance of the least key; among equals, by "round robin" the first after last,
@@ -2854,7 +2855,8 @@ def knob_ranges(b):
                   FLEET_SIZES=FLEET_SIZES, BENCH_REPEATS=BENCH_REPEATS)  # at least 1 each
     return {name: (value, 1, math.inf) for name, value in counts.items()} | dict(
         COPY_LATENCY_S=(COPY_LATENCY_S, 0, 1), PREFILL_EFFICIENCIES=(PREFILL_EFFICIENCIES, 0.01, 1),
-        FLEET_EFFICIENCIES=(FLEET_EFFICIENCIES, 0.01, 1), ACTUAL_LEN=(ACTUAL_LEN, 1, MAX_LEN),
+        FLEET_EFFICIENCIES=(FLEET_EFFICIENCIES, 0.01, 1), FETCH_RATIOS=(FETCH_RATIOS, 0, math.inf),
+        ACTUAL_LEN=(ACTUAL_LEN, 1, MAX_LEN),
         EVICT_SIZES=(EVICT_SIZES, 1, SWAP_TOKENS), NUM_SAMPLES=(NUM_SAMPLES, 1, widest),
         BEAM_WIDTHS=(BEAM_WIDTHS, 1, widest), SWEEP_SIZES=(SWEEP_SIZES, 1, MAX_BLOCK_SIZE),
         POOL_TOKENS=(POOL_TOKENS, MAX_LEN + b, math.inf), CACHE_POOLS=(CACHE_POOLS, b, math.inf),

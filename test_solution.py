@@ -3240,13 +3240,14 @@ class TestCommandLine:
         captured = capsys.readouterr()
         assert exit_.value.code == 2 and captured.out == "" and knob in captured.err
 
-    def test_a_knob_emptied_in_the_file_itself_is_named_not_an_import_error(self, tmp_path):
+    @pytest.mark.parametrize("knob", ["FLEET_EFFICIENCIES", "FETCH_RATIOS"])
+    def test_a_knob_emptied_in_the_file_itself_is_named_not_an_import_error(self, tmp_path, knob):
         path = tmp_path / "edited.py"  # a default argument read the knob when defined: IndexError
-        path.write_text(re.sub(r"^FLEET_EFFICIENCIES = .*$", "FLEET_EFFICIENCIES = ()",
+        path.write_text(re.sub(rf"^{knob} = .*$", f"{knob} = ()",
                                LAB_FILE.read_text(encoding="utf-8"), count=1, flags=re.MULTILINE))
         run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                              check=False)
-        assert run.returncode == 2 and run.stdout == "" and "FLEET_EFFICIENCIES" in run.stderr
+        assert run.returncode == 2 and run.stdout == "" and knob in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
 
     @pytest.mark.parametrize("knob, value, section", [("GPU_KV_TOKENS", 2000, "evict"),
