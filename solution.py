@@ -163,15 +163,16 @@ class BlockAllocator:
     """A fixed pool of physical blocks: a free list and a ref-count per block in use.
     Invariant: a block is in use exactly when ref_cnt holds it (ref-count >= 1), free otherwise,
     so num_free + num_used == num_blocks. Every operation is O(1) per block. State later parts
-    read: ref_cnt, block -> references; free_block_ids, blocks given back, reused last in, first
-    out; next_unused, the blocks next_unused.. never handed out; kv_cache, a KVCache; num_copies,
-    copies made. Refusals, changing nothing: TypeError for a num_blocks, block_size or n that is
-    not an int (a bool is not); ValueError for one below 1 (n: below 0), for a block not an int
-    in 0..num_blocks - 1 (True is not block 1; refcount, read, copy_block too) or, to share, free
-    or copy, not in use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool
-    queues every block in its free_block_queue at start-up (and keeps block 0 aside, its null
-    block); next_unused makes a new pool O(1). NOTE: vLLM's queue hands a freed table's uncached
-    blocks out tail first; given them tail first, this list hands out the head first."""
+    read: num_blocks, block_size (its arguments); ref_cnt, block -> references;
+    free_block_ids, blocks given back, reused last in, first out; next_unused, the blocks
+    next_unused.. never handed out; kv_cache, a KVCache; num_copies, copies made. Refusals,
+    changing nothing: TypeError for a num_blocks, block_size or n that is not an int (a bool is
+    not); ValueError for one below 1 (n: below 0), for a block not an int in 0..num_blocks - 1
+    (True is not block 1; refcount, read, copy_block too) or, to share, free or copy, not in
+    use; OutOfBlocksError when too few blocks are free. NOTE: vLLM's BlockPool queues every
+    block in its free_block_queue at start-up (and keeps block 0 aside, its null block);
+    next_unused makes a new pool O(1). NOTE: vLLM's queue hands a freed table's uncached blocks
+    out tail first; given them tail first, this list hands out the head first."""
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
         self.num_blocks = check_int(num_blocks, "num_blocks")
@@ -220,9 +221,9 @@ class BlockAllocator:
         return blocks
 
     def allocate_prompt(self, token_ids):
-        """(a prompt's blocks, the tokens they hold already), its tokens checked first: here
-        cdiv(len(token_ids), block_size) new blocks, holding none. A prefix cache (Part 6) shares
-        the cached ones first (vLLM: get_computed_blocks, then allocate_slots)."""
+        """(a prompt's blocks, how many of its first tokens they hold already: whole blocks), its
+        tokens checked first: here cdiv(len(token_ids), block_size) new blocks, and 0. A prefix
+        cache (Part 6) shares its cached ones first (vLLM: get_computed_blocks, allocate_slots)."""
         return self.allocate_many(cdiv(len(check_tokens(token_ids)), self.block_size)), 0
 
     def share(self, block):
@@ -243,12 +244,14 @@ class BlockAllocator:
         self.free_blocks([check_block(self, block)])
 
     def free_blocks(self, blocks):
-        """free each of blocks (a list), trusted to be in use (a sequence giving back its table)."""
+        """free each of blocks (a list), trusted to be in use (a sequence giving back its table);
+        those left with none go onto the free list's end."""
         self.free_block_ids += self.unref(blocks)
 
     def unref(self, blocks):
-        """Drop a reference to each of blocks; returns those left with none, in order, now free
-        (Part 6 keeps some). Pitfall 1 of Part 4 edits `if ref_cnt[block] == 1:`."""
+        """Drop a reference to each of blocks; returns those left with none, in order, now free and
+        on no list (free_blocks lists them; Part 6 keeps some). Pitfall 1 of Part 4 edits
+        `if ref_cnt[block] == 1:`."""
         ref_cnt, unused = self.ref_cnt, []
         for block in blocks:
             if ref_cnt[block] == 1:  # the last reference
@@ -328,8 +331,9 @@ class Sequence:
     allocator that is not a BlockAllocator, tokens not iterable, a token that is not an int
     (a bool is not); ValueError for a token below 0, and for any use of a freed sequence
     (append, extend, read, fork, free), whose block table is empty (its tokens stay). A prompt's
-    blocks come from pool.allocate_prompt (a prefix cache's hold some of its tokens); with no
-    tokens, it asks the pool nothing (share_prefix makes one, and may then be refused)."""
+    blocks come from pool.allocate_prompt (a prefix cache's hold some of its tokens), the rest
+    written as extend writes them; with no tokens, it asks the pool nothing (share_prefix makes
+    one, and may then be refused)."""
 
     def __init__(self, seq_id, allocator, tokens=()):
         if not isinstance(allocator, BlockAllocator):
@@ -377,9 +381,9 @@ class Sequence:
 
     def _prefill(self, token_ids):
         """Make room (new blocks, a copy of a shared last block), write each block's run of
-        tokens with one slice, then report the blocks that filled in one pool.cache_blocks call
-        (decode False). Pitfall 3 of Part 4 edits
-        `num_new = cdiv(end, size) - len(table)`."""
+        tokens with one slice, then report the blocks that filled, n // size .. end // size - 1 (n,
+        end: the tokens before and after), in one pool.cache_blocks call, decode False, made even
+        when none did. Pitfall 3 of Part 4 edits `num_new = cdiv(end, size) - len(table)`."""
         pool, table, n = self.allocator, self.block_table, len(self)
         size, end = pool.block_size, n + len(token_ids)
         copy = n % size > 0 and end > n and pool.ref_cnt[table[-1]] > 1
