@@ -523,15 +523,17 @@ def random_tokens(rng, n, vocab=32_000):
 
 
 def fuzz(allocator, rng, num_ops, max_live=6, vocab=4):
-    """num_ops random operations against a plain-list model (seq_id -> its tokens), checked after
-    each (a failure: AssertionError); a refused one (OutOfBlocksError) must change no field of the
-    pool or a live sequence ("atomicity: ..."). Returns a Counter, one count an operation (a refused
-    one only as "refused"): "create", "append", "extend", "fork", "share" (share_prefix), "raw
+    """num_ops random operations against a plain-list model (seq_id -> its tokens), checked
+    after each (a failure: AssertionError); a refused one (OutOfBlocksError) must change no
+    field of the pool or a live sequence, a subclass's too (their vars; the pool once, not in
+    each sequence: "atomicity: ..."). Returns a Counter, one count an operation (a refused one
+    only as "refused"): "create", "append", "extend", "fork", "share" (share_prefix), "raw
     share" (the pool shares a last block while its sequence appends: still in use, it reads back
-    unchanged, else "copy-on-write: ..."; then it is freed), "free"; all are freed at the end. At
-    most max_live live (past that, a create, fork or share frees one; none live: a create). A small
-    vocab, and prompts that start with an earlier prompt's prefix, make shared prefixes common. A
-    create or extend adds up to 2 * block_size + 2 new tokens: run_checks' pools refuse some."""
+    unchanged, else "copy-on-write: ..."; then it is freed), "free"; all are freed at the end.
+    At most max_live live (past that, a create, fork or share frees one; none live: a create). A
+    small vocab, and prompts that start with an earlier prompt's prefix, make shared prefixes
+    common. A create or extend adds up to 2 * block_size + 2 new tokens: run_checks' pools
+    refuse some."""
     live, model, seen, counts = {}, {}, [[]], Counter()
     longest = 2 * allocator.block_size + 2  # tokens per create or extend: crosses boundaries
     def snapshot():  # every field of the pool and the live sequences: a refusal leaves it equal
