@@ -223,7 +223,8 @@ class BlockAllocator:
     def allocate_prompt(self, token_ids):
         """(a prompt's blocks, how many of its first tokens they hold already: whole blocks), its
         tokens checked first: here cdiv(len(token_ids), block_size) new blocks, and 0. A prefix
-        cache (Part 6) shares its cached ones first (vLLM: get_computed_blocks, allocate_slots)."""
+        cache (Part 6) shares its cached ones first. vLLM: get_computed_blocks, then allocate_slots
+        (which also caches the full blocks, as cache_blocks here, and runs at each decode step)."""
         return self.allocate_many(cdiv(len(check_tokens(token_ids)), self.block_size)), 0
 
     def share(self, block):
@@ -283,10 +284,11 @@ class BlockAllocator:
         return copy
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
-        """The one hook, a prefix cache's (Part 6; vLLM's cache_full_blocks); a plain pool
-        remembers nothing. Blocks first..last-1 of a block table now hold tokens[first *
-        block_size:last * block_size], the last of them maybe partly (a cache keeps full ones);
-        decode: a decode step filled the last block (SGLang caches those when the sequence ends)."""
+        """The one hook that does nothing here, a prefix cache's (Part 6, which extends
+        allocate_prompt, list_free, free_blocks, allocate_many too; vLLM's cache_full_blocks).
+        Blocks first..last-1 of a block table now hold tokens[first * block_size:last * block_size],
+        the last of them maybe partly (a cache keeps full ones); decode: a decode step filled the
+        last block (SGLang caches those when the sequence ends)."""
 
 
 def check_block(pool, block, in_use=True):
@@ -2400,7 +2402,7 @@ class Fleet:
     blocks it reuses there, or None: its own cached ones)."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=None, ties=None,
-                 index="hash"):  # None: FETCH_RATIOS[0], TIES[0], read late (main checks them)
+                 index="hash"):  # None: FETCH_RATIOS[0], TIES[0], read late: no import fails
         self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1, index=index))
                           for _ in range(check_int(instances, "instances"))]
         self.efficiency, self.rng = efficiency, random.Random(seed)
