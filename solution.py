@@ -954,7 +954,7 @@ class PrefixCachingAllocator(BlockAllocator):
         leaves num_free), else OutOfBlocksError, counters kept. Block size 4: "a" = 0..9 left
         [0, 1] cached; "b" = 0..7, 50..54 gets ([0, 1, x, y], 8), x, y new: 2 hits, 1 miss. Only
         tokens after the hits are checked: a hit's were, when written (radix: by match). NOTE:
-        vLLM, SGLang, mini-sglang stop a token short (its logits); here every hit is reused."""
+        vLLM, SGLang, mini-sglang stop a token short, for its logits; here every hit is reused."""
         blocks, work = self.index.match(token_ids)
         reused, need = len(blocks) * self.block_size, cdiv(len(token_ids), self.block_size)
         check_tokens(token_ids[reused:])
