@@ -2549,6 +2549,7 @@ class TestPart11Trace:
     def test_trace_prompt_worked_example(self, lab):
         request = lab.TraceRequest(0, 1100, 10, [7, 9, 3])
         assert lab.trace_prompt(request, 4) == [28, 29, 30, 31, 36, 37, 38, 39, 12]
+        assert lab.trace_prompt(request, 1) == [7, 9]  # a partial id's token would fill a block
 
     def test_lru_and_fifo_differ_and_the_optimum_beats_both(self, lab):
         requests = trace(lab, [1], [2], [1], [3], [1], [2])  # 1 is hot; FIFO forgets it anyway
@@ -2595,6 +2596,17 @@ class TestPart11Trace:
                         pool = lab.replay_trace(requests, size, policy, 2, index)
                         lab.audit(pool)
                         assert pool.num_free == size and pool.hits <= best
+
+    def test_a_look_ahead_sees_exactly_its_window_none_is_lru_all_is_the_optimum(self, lab):
+        rng = random.Random(8)
+        for _ in range(20):  # random traces of prefixes of 3 histories, small pools
+            starts = [rng.randrange(3) * 10 for _ in range(25)]
+            requests = trace(lab, *(range(s, s + rng.randrange(1, 5)) for s in starts))
+            for size in (6, 9, 14):
+                assert hits(lab, requests, size, lab.Lookahead(0)) == hits(lab, requests, size,
+                                                                          "lru")
+                assert hits(lab, requests, size, lab.Lookahead(len(requests))) == hits(
+                    lab, requests, size, "optimal")
 
     def test_the_gap_table_prints_the_share_of_the_optimums_lead_each_policy_recovers(
             self, lab, capsys):
