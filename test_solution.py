@@ -2583,30 +2583,22 @@ class TestPart11Trace:
         for policy in ("lru", "fifo", "s3fifo", "optimal", lab.Lookahead(2)):  # 1; 1, 2; 1, 2,
             assert hits(lab, requests, 100, policy) == 6  # 4 were seen before: 6 of 12 blocks
 
-    def test_every_policy_keeps_the_invariants_and_none_beats_the_optimum(self, lab):
+    def test_every_policy_keeps_the_invariants_none_beats_the_optimum_a_look_ahead_spans_both(
+            self, lab):
         rng = random.Random(5)
         for _ in range(30):  # random traces of prefixes of 3 histories, small pools
             starts = [rng.randrange(3) * 10 for _ in range(25)]
             requests = trace(lab, *(range(s, s + rng.randrange(1, 5)) for s in starts))
             for size in (6, 9, 14):
-                best = hits(lab, requests, size, "optimal")
+                best, lru = hits(lab, requests, size, "optimal"), hits(lab, requests, size, "lru")
+                windows = [hits(lab, requests, size, lab.Lookahead(w)) for w in (0, len(requests))]
+                assert windows == [lru, best]  # seeing no prompt is LRU; seeing all, the optimum
                 for policy, index in [(p, "hash") for p in ("lru", "fifo", "s3fifo", "optimal",
                                                            lab.Lookahead(1), lab.Lookahead(4))
                                       ] + [("lru", "radix"), ("fifo", "radix")]:
                         pool = lab.replay_trace(requests, size, policy, 2, index)
                         lab.audit(pool)
                         assert pool.num_free == size and pool.hits <= best
-
-    def test_a_look_ahead_sees_exactly_its_window_none_is_lru_all_is_the_optimum(self, lab):
-        rng = random.Random(8)
-        for _ in range(20):  # random traces of prefixes of 3 histories, small pools
-            starts = [rng.randrange(3) * 10 for _ in range(25)]
-            requests = trace(lab, *(range(s, s + rng.randrange(1, 5)) for s in starts))
-            for size in (6, 9, 14):
-                assert hits(lab, requests, size, lab.Lookahead(0)) == hits(lab, requests, size,
-                                                                          "lru")
-                assert hits(lab, requests, size, lab.Lookahead(len(requests))) == hits(
-                    lab, requests, size, "optimal")
 
     def test_the_gap_table_prints_the_share_of_the_optimums_lead_each_policy_recovers(
             self, lab, capsys):
