@@ -956,17 +956,17 @@ class PrefixCachingAllocator(BlockAllocator):
         tokens after the hits are checked: a hit's were, when written (radix: by match). NOTE:
         vLLM, SGLang, mini-sglang stop a token short, for its logits; here every hit is reused."""
         blocks, work = self.index.match(token_ids)
-        reused, need = len(blocks) * self.block_size, cdiv(len(token_ids), self.block_size)
+        reused, total = len(blocks) * self.block_size, cdiv(len(token_ids), self.block_size)
         check_tokens(token_ids[reused:])
         revived = [block for block in blocks if block not in self.ref_cnt]
-        self.ensure_free(need - len(blocks) + len(revived))
+        self.ensure_free(total - len(blocks) + len(revived))
         self.stats.hits += len(blocks)
         self.stats.misses += len(token_ids) // self.block_size - len(blocks)
         self.stats.prompts += 1
         self.stats.work += work
         self.share_blocks(blocks)
         self.index.lock(blocks, revived, self.stats.prompts)
-        return blocks + self.allocate_many(need - len(blocks)), reused
+        return blocks + self.allocate_many(total - len(blocks)), reused
 
     def cache_blocks(self, table, tokens, first, last, decode=False):
         """The hook; a block the index holds (radix): share the index's, free_blocks ours."""
