@@ -2375,7 +2375,8 @@ FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
 FETCH_BYTES_PER_S = min(128e9, 800e9 / 8)
 FETCH_SECONDS = TRACE_ID_TOKENS * FETCH_BYTES_PER_TOKEN / FETCH_BYTES_PER_S  # a block, fetched
 FETCH_RATIOS = (2.0, 1.0, 4.0)  # Algorithm 1's kvcache_balancing_threshold, unstated: ours 1st
-TIES = ("round robin", "lowest index")  # the tables' first: HAProxy's leastconn (its manual)
+TIE_RULES = ("round robin", "lowest index")  # pick's; round robin: HAProxy's leastconn (its manual)
+TIE_RULE = "round robin"  # the tables'; their "ties moved" column runs the other
 ROUTER = (0.3, 64, 1.5)  # SGLang's, vLLM's router_args.py: cache_threshold, balance_abs/rel
 FLEET_SIZES = (16, 10)  # instances: Mooncake's Fig. 5 (16 nodes), its Fig. 10 (10)
 MOONCAKE_TTFT = {"random": 19.65, "load": 5.27, "local": 3.58, "global": 3.07}  # Fig. 5, s
@@ -2397,17 +2398,19 @@ class Instance:
 
 
 class Fleet:
-    """Instances, their rules, a Random, last (chosen last, which replay_fleet sets; -1 at first):
-    what schedulers ask. A scheduler(fleet, request, prompt, now) returns (the instance, the prefix
-    blocks it reuses there, or None: its own cached ones)."""
+    """Instances, their rules (ties: a TIE_RULES name, else ValueError), a Random, last (chosen
+    last, which replay_fleet sets; -1 at first): what schedulers ask. A scheduler(fleet, request,
+    prompt, now) returns (the instance, the prefix blocks it reuses there, or None: its own)."""
 
     def __init__(self, instances, cache_blocks, efficiency, seed, fetch_ratio=None, ties=None,
-                 index="hash"):  # None: FETCH_RATIOS[0], TIES[0], read late: no import fails
+                 index="hash"):  # None: FETCH_RATIOS[0], TIE_RULE, read late
+        self.ties, self.last = TIE_RULE if ties is None else ties, -1
+        if self.ties not in TIE_RULES:
+            raise ValueError(f"ties must be one of {', '.join(TIE_RULES)}, got {self.ties!r}")
         self.instances = [Instance(PrefixCachingAllocator(cache_blocks, 1, index=index))
                           for _ in range(check_int(instances, "instances"))]
         self.efficiency, self.rng = efficiency, random.Random(seed)
         self.fetch_ratio = FETCH_RATIOS[0] if fetch_ratio is None else fetch_ratio
-        self.ties, self.last = TIES[0] if ties is None else ties, -1
 
     def pick(self, keys):
         """The instance of the least key; among equals, by "round robin" the first after last,
@@ -2439,7 +2442,7 @@ def schedule_random(fleet, request, prompt, now):
 
 
 def schedule_load(fleet, request, prompt, now):
-    """The least queued work. Ties: fleet.pick (round robin among equals, or TIES[1]), as below."""
+    """The least queued work. Ties: fleet.pick (by fleet.ties among equals), as below."""
     return fleet.pick([fleet.queue(i, now) for i in range(len(fleet.instances))]), None
 
 
@@ -2535,14 +2538,14 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M, efficienc
 def demo_fleet(path, limit):
     """Fig. 5's schedulers, global at each fetch ratio and efficiency, ties moved; Fig. 10."""
     requests, name = load_trace(path, limit), path.replace("\\", "/").rsplit("/", 1)[-1]
-    many = FLEET_SIZES[0]
+    many, other_rule = FLEET_SIZES[0], next(rule for rule in TIE_RULES if rule != TIE_RULE)
     print(f"== fleet: {len(requests):,} requests of {name} on prefill instances ==\n"
           f"each {THREE_M:,} blocks (3M tokens), LRU; prefill: Mooncake's Eq. 1, "
           f"{FLEET_EFFICIENCIES[0]:.0%} of 8 x A800; fetch {FETCH_BYTES_PER_S / 1e9:.0f} GB/s\n"
-          f"ties go by {TIES[0]}, to the first after the one chosen last; global fetches the best "
+          f"ties go by {TIE_RULE}, to the first after the one chosen last; global fetches the best "
           f"prefix\nif over r x its own (r = {FETCH_RATIOS[0]:g} ours; with none, any)\n"
           f"1. where a request goes, {many} instances; Mooncake's Fig. 5 (16 nodes, conversation "
-          f"trace), quoted;\n   ties moved: the mean TTFT with ties to the {TIES[1]}, less the "
+          f"trace), quoted;\n   ties moved: the mean TTFT with ties to the {other_rule}, less the "
           "table's\n   scheduler    mean TTFT  p90 TTFT  hit rate  prefill s/req  busiest  "
           "ties moved  Fig. 5")
     runs = {s: replay_fleet(requests, many, s) for s in FIG5_ROWS}
@@ -2550,7 +2553,7 @@ def demo_fleet(path, limit):
             requests, many, "global", fetch_ratio=r)) for r in FETCH_RATIOS[1:])]:
         moved, paper = "", MOONCAKE_TTFT.get(label)  # random has no ties to move
         if label in FIG5_ROWS[1:]:
-            other = replay_fleet(requests, many, label, ties=TIES[1])
+            other = replay_fleet(requests, many, label, ties=other_rule)
             moved = f"{other.mean_ttft - run.mean_ttft:+.2f} s"
         print((f"   {label:<12}{run.mean_ttft:>8.2f} s{run.p90_ttft:>8.2f} s{run.hit_rate:>10.1%}"
                f"{run.prefill_seconds:>15.2f}{run.busiest_share:>9.1%}{moved:>12}"

@@ -2805,6 +2805,11 @@ class TestPart12Fleet:
         fleet.instances[0].done.extend([1.0, 2.0, 3.0])
         assert fleet.load(0, 2.0) == 1 and fleet.load(0, 5.0) == 0  # one ending at 2.0 has ended
 
+    @pytest.mark.parametrize("ties", ["", "round-robin", ()])
+    def test_a_tie_rule_not_in_tie_rules_is_refused_when_the_fleet_is_made(self, lab, ties):
+        with pytest.raises(ValueError):
+            lab.Fleet(2, 1, lab.FLEET_EFFICIENCIES[0], 0, ties=ties)
+
     def test_a_new_fleets_first_tie_goes_to_instance_0(self, lab):
         assert lab.Fleet(3, 1, lab.FLEET_EFFICIENCIES[0], 0).pick([0, 0, 0]) == 0
 
@@ -2907,7 +2912,7 @@ class TestPart12Fleet:
             f"global r={r:g}": lab.replay_fleet(requests, many, "global", fetch_ratio=r)
             for r in lab.FETCH_RATIOS[1:]}
         for label, run in runs.items():
-            other = lab.replay_fleet(requests, many, label, ties=lab.TIES[1]) if (
+            other = lab.replay_fleet(requests, many, label, ties="lowest index") if (
                 label in lab.FIG5_ROWS[1:]) else None  # random has no ties to move
             moved = "" if other is None else f"{other.mean_ttft - run.mean_ttft:+.2f} s"
             assert re.search(rf"^   {re.escape(label)} +{run.mean_ttft:.2f} s +{run.p90_ttft:.2f} "
@@ -3263,6 +3268,15 @@ class TestCommandLine:
             lab.main([section])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and section in err
+
+    @pytest.mark.parametrize("rule", ["", "lowest-index"])
+    def test_a_tie_rule_knob_fleet_does_not_know_ends_the_run_with_one_line(
+            self, lab, capsys, monkeypatch, tmp_path, rule):
+        monkeypatch.setattr(lab.module, "TIE_RULE", rule)
+        with pytest.raises(SystemExit) as exit_:
+            lab.main(["fleet", prefix_trace(tmp_path / "t.jsonl", 4, 400)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "fleet" in err
 
     @pytest.mark.parametrize("block_size, seed", [(1, 3), (7, 0), (256, 9)])
     def test_the_core_runs_at_odd_block_sizes_and_seeds_within_100_columns(self, lab, capsys,
