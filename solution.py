@@ -1096,10 +1096,11 @@ class RadixIndex:
                 node.growing = False
 
     def insert(self, table, tokens, first, last, now, decode):
-        """Hang the full ones of blocks first..last-1 of table after block first - 1, as SGLang's
-        insert: a touch of the first node (the next tick), which each node on the way gets, splits
-        where they branch off; a new node holds them, or decode fills their decode run's. Block k,
-        if the tree has its tokens there, is a duplicate: returns (k, the tree's block) for each."""
+        """Hang the full ones of blocks first..last-1 of table after block first - 1 (none, or that
+        block out of the tree: [], no tick), as SGLang's insert: a touch of the first node (the next
+        tick), which each node on the way gets; a split inside a node where they branch off or where
+        duplicates end (used or not); a new node holds the rest, or decode fills its growing leaf.
+        Returns (k, the tree's block, now in use) for each duplicate k (the tree has its tokens)."""
         size, last = self.block_size, min(last, len(tokens) // self.block_size)
         node = self.root if first == 0 else self.node_of.get(table[first - 1])
         if first >= last or node is None:
@@ -2364,11 +2365,11 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
 # Part 12. Extension: a fleet of prefill instances, and where each request should go
 # ---------------------------------------------------------------------------------------
 # Spread requests for load and each instance's prefix cache stops hitting; send each to its longest
-# cached prefix and hot prefixes pile onto one. An instance: a PrefixCachingAllocator (a block a
-# 512-token hash id), a FIFO prefill queue fed at the trace's timestamps; no decode (Mooncake's Fig.
-# 10 neither). Mooncake (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) = l (a n^2 d + b n
-# d^2), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V) x d / gqa x 2
-# bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
+# cached prefix and hot prefixes pile onto one. An instance: a PrefixCachingAllocator (block size 1:
+# a token a 512-token hash id), a FIFO prefill queue fed at the trace's timestamps; no decode
+# (Mooncake's Fig. 10 neither). Mooncake (FAST'25) Eq. 1, Table 1 (LLaMA3-70B, 8 x A800): flops(n) =
+# l (a n^2 d + b n d^2), at 8 x 312 TFLOP/s (bf16 peak) x an efficiency; a fetch moves l x 2 (K, V)
+# x d / gqa x 2 bytes = 320 KB a token at min(128 GB/s host-to-device, 800 Gbps NIC).
 FLEET_LAYERS, FLEET_DIM, FLEET_A, FLEET_B, FLEET_GQA, FLEET_FLOPS = 80, 8192, 4, 22, 8, 8 * 312e12
 FLEET_EFFICIENCIES = (0.3, 0.2, 0.5)  # ours first, the one the tables use
 FETCH_BYTES_PER_TOKEN = FLEET_LAYERS * 2 * FLEET_DIM // FLEET_GQA * 2
@@ -2413,8 +2414,8 @@ class Fleet:
         self.fetch_ratio = FETCH_RATIOS[0] if fetch_ratio is None else fetch_ratio
 
     def pick(self, keys):
-        """The instance of the least key; among equals, by "round robin" the first after last,
-        else the lowest index. Example, 4 instances, last 1, keys [0, 5, 3, 0]: 3 (lowest: 0)."""
+        """The instance of the least key; among equals, by "round robin" the first after last, round
+        to the start, else the lowest index. Example, keys [0, 5, 3, 0]: last 1: 3; last 3: 0."""
         least = min(keys)
         tied = [i for i, key in enumerate(keys) if key == least]
         return tied[0] if self.ties == "lowest index" else min(
@@ -2448,7 +2449,7 @@ def schedule_load(fleet, request, prompt, now):
 
 def schedule_cache_aware(fleet, request, prompt, now):
     """SGLang's and vLLM's routers: the least loaded once the busiest holds over 64 requests more
-    than the idlest, and over 1.5x as many; else the longest run of request.hash_ids routed there
+    than the idlest, and over 1.5x as many; else the longest leading run of hash_ids routed there
     (seen) if over 30% of them, else the one that has seen fewest ids (SGLang: the smallest tree).
     Ties: pick."""
     threshold, absolute, relative = ROUTER
@@ -2475,8 +2476,9 @@ def schedule_local(fleet, request, prompt, now):
 
 
 def schedule_global(fleet, request, prompt, now):
-    """Algorithm 1 (lines 5, 20): the least fetch + queue + prefill, an instance with p blocks of
-    its own fetching the best, b, if b / p > fleet.fetch_ratio (p = 0: any b > 0). Ties: pick."""
+    """Algorithm 1 (lines 5, 20): the least fetch (of b - p blocks) + queue + prefill, an instance
+    with p blocks of its own fetching the best, b, if b / p > fleet.fetch_ratio (p = 0: any b > 0),
+    returned with the blocks it reuses (b or p). Ties: pick."""
     cached = [fleet.reuse(i, prompt) for i in range(len(fleet.instances))]
     reuses = [max(cached) if max(cached) > fleet.fetch_ratio * own else own for own in cached]
     i = fleet.pick([(reuse - own) * FETCH_SECONDS + fleet.queue(i, now) + fleet.prefill(
@@ -2506,7 +2508,7 @@ def replay_fleet(requests, instances, scheduler, cache_blocks=THREE_M, efficienc
     """Replay requests on instances prefill instances of cache_blocks blocks, each sent where
     FLEET_SCHEDULERS[scheduler] says at its timestamp / 1000 s: prefilled past what it reuses from
     max(then + any fetch, the queue's end), cached there at once. rules: Fleet's. ValueError for no
-    request, or one over the cache. p90: the nearest rank."""
+    request, or a prompt (trace_prompt at block size 1) over the cache. p90: the nearest rank."""
     efficiency = FLEET_EFFICIENCIES[0] if efficiency is None else efficiency  # late-bound
     fleet, ttfts, reused = Fleet(instances, cache_blocks, efficiency, seed, **rules), [], 0
     prompts = [trace_prompt(request, 1) for request in requests]  # a token an id
