@@ -2915,10 +2915,14 @@ class TestPart12Fleet:
             other = lab.replay_fleet(requests, many, label, ties="lowest index") if (
                 label in lab.FIG5_ROWS[1:]) else None  # random has no ties to move
             moved = "" if other is None else f"{other.mean_ttft - run.mean_ttft:+.2f} s"
+            moved = rf" +{re.escape(moved)}" if moved else ""  # then Fig. 5's TTFT, if any
             assert re.search(rf"^   {re.escape(label)} +{run.mean_ttft:.2f} s +{run.p90_ttft:.2f} "
-                             rf"s +{run.hit_rate:.1%} .*{re.escape(moved)}", out, re.MULTILINE)
+                             rf"s +{run.hit_rate:.1%} +[\d.]+ +[\d.]+%{moved}( +[\d.]+ s)?$", out,
+                             re.MULTILINE)
         table = out.split("ties moved  Fig. 5\n")[1].split("   global's mean TTFT")[0]
         assert [line.strip().split("  ")[0] for line in table.splitlines()] == list(runs)
+        others = out.split("at the other prefill efficiencies: ")[1].splitlines()[0].split("; ")
+        assert len(others) == len(lab.FLEET_EFFICIENCIES) - 1  # ours is the table's
         for e in lab.FLEET_EFFICIENCIES[1:]:
             pooled = lab.replay_fleet(requests, many, "global", efficiency=e)
             assert f"at {e:.0%}, {pooled.mean_ttft:.2f} s" in out
