@@ -2810,6 +2810,12 @@ class TestPart12Fleet:
         with pytest.raises(ValueError):
             lab.Fleet(2, 1, lab.FLEET_EFFICIENCIES[0], 0, ties=ties)
 
+    def test_a_long_replay_shows_its_progress_on_stderr_each_1000_requests(self, lab, capsys):
+        requests = [lab.TraceRequest(t, 512 * 2, 1, [t % 7, 100 + t]) for t in range(2000)]
+        lab.replay_fleet(requests, 2, "load", cache_blocks=8)
+        err = capsys.readouterr().err.splitlines()  # not a terminal: a line each, none erased
+        assert len(err) == 2 and "1,000" in err[0] and "2,000" in err[1]
+
     def test_a_new_fleets_first_tie_goes_to_instance_0(self, lab):
         assert lab.Fleet(3, 1, lab.FLEET_EFFICIENCIES[0], 0).pick([0, 0, 0]) == 0
 
