@@ -1595,13 +1595,14 @@ WRAP = textwrap.TextWrapper(96, initial_indent="   ", subsequent_indent="   ")  
 
 
 def draw_length(rng, mean, cap):
-    """A length in 1..cap, exponential with this mean. NOTE: the paper gives mean lengths (its
-    Fig. 11: long tails); the exponential is the least-assuming law of a given mean, long-tailed."""
+    """A length in 1..cap, exponential of this mean, rounded. NOTE: the paper gives mean lengths
+    (its Fig. 11: long tails); the exponential is the least-assuming law of a given mean."""
     return min(cap, max(1, round(rng.expovariate(1 / mean))))
 
 
 def preemption_workload(seed):
-    """EVICT_REQUESTS ShareGPT-like requests, one a step: prompt length, tokens, output length."""
+    """EVICT_REQUESTS ShareGPT-like requests, one a step: prompt length (at most MAX_SEQ_LEN // 2),
+    tokens, output length (at most MAX_SEQ_LEN less the prompt's)."""
     rng, queue = random.Random(seed), []
     for i in range(EVICT_REQUESTS):
         prompt = random_tokens(rng, draw_length(rng, SHAREGPT[1], MAX_SEQ_LEN // 2))
@@ -1628,14 +1629,20 @@ def swap_seconds(blocks, block_size, copies, latency_s):
     return blocks * (copies * latency_s + block_size * KV_BYTES_PER_TOKEN / PCIE_BYTES_PER_S)
 
 
-def recompute_seconds(tokens, efficiency):
+def recompute_seconds(tokens, efficiency):  # prefilled at efficiency x the peak
     return tokens / (PREFILL_TOKENS_PER_S * efficiency)
 
 
 def demo_evict(block_size, seed):
-    """Recompute against swap at block_size (seed 5, or seed); then Fig. 19a and Fig. 19b: a run
-    is its decode steps x DECODE_STEP_S plus recovery, recompute at the fastest prefill or swap
-    (out and in) of the blocks the recompute run preempted, at the lower copy latency."""
+    """Recompute against swap at block_size (run_policy's stats; seed 5, or seed); Fig. 19a: at each
+    EVICT_SIZES block, SWAP_TOKENS restored by swap out and in, at the lower copy latency, against
+    recompute x FIG19A_SCALE at each efficiency; the quote's 20%: recompute / swap - 1 in the
+    largest blocks, at both latencies. Fig. 19b, a row a size: recompute runs (host 0) on
+    EVICT_SEEDS seeds, the first's preemptions, recomputed tokens and recovery ms (recompute at the
+    fastest prefill, unscaled, or swap out and in of the blocks it preempted, at the lower latency);
+    a run is its decode steps x DECODE_STEP_S plus recovery, end to end the range of recompute's /
+    swap's; at MEDIUM_SIZES, the most |ratio - 1| and the largest share of a run's time the larger
+    recovery takes."""
     first, copies, latency = 5 if seed is None else seed, 2 * NUM_LAYERS, COPY_LATENCY_S[0]
     print(f"== evict: preemption by recompute vs swap ({EVICT_REQUESTS} ShareGPT-like requests, "
           f"{GPU_KV_TOKENS // block_size * block_size}-token GPU pool) ==")
@@ -2619,7 +2626,7 @@ class HybridSequence:
     Block size 16, windows [None, 32], 111 tokens: tables of 7, taken group by group (0..6, 7..13);
     append frees window blocks 4..0. State: seq_id, allocator, windows, tokens, block_tables,
     num_prompt_tokens, num_cached_tokens, hashes (each full block's, any pool), is_freed. A caching
-    pool counts a prompt as allocate_prompt does; a hit: blocks every group serves, the oldest
+    pool counts as allocate_prompt does, work aside; a hit: blocks every group serves, the oldest
     copy. Refusals, changing nothing: Sequence's; TypeError or ValueError for windows not a
     non-empty list of None or ints >= 1, ValueError for a pool off the hash index; OutOfBlocksError.
     NOTE: one prefill chunk, its window blocks held until the first append; vLLM frees behind the
@@ -2661,10 +2668,10 @@ class HybridSequence:
             self._cache(k)
 
     def _find_hit(self):
-        """Blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens, as vLLM's
-        HybridKVCacheCoordinator: from the right, W needs cdiv(W - 1, block_size) blocks before
-        the end, full attention all, until none shortens it. NOTE: vLLM caches no window-1 block
-        (reachable_block_mask); here one serves any length."""
+        """How many blocks of the longest prefix all groups serve, at most len(tokens) - 1 tokens,
+        as vLLM's HybridKVCacheCoordinator: from the right, W needs cdiv(W - 1, block_size) blocks
+        before the end, full attention all, until none shortens it. NOTE: vLLM caches no window-1
+        block (reachable_block_mask); here one serves any length."""
         index, size, hit = self.allocator.index, self.allocator.block_size, 0
         end = max(0, len(self.tokens) - 1) // size  # NOTE: vLLM recomputes the last token
         while hit != end:  # NOTE: vLLM looks up groups of one window together: the same hit
