@@ -1233,10 +1233,10 @@ class FIFO(LRU):
 class S3FIFO(LRU):
     """S3-FIFO (Yang et al., SOSP 2023): a new block waits in a small FIFO queue. The victim comes
     from small while it holds >= 10% of the evictable blocks: its head, unless hit twice, which
-    moves to the main FIFO queue, hits reset; an evicted block's tokens join a ghost queue (as long
-    as main, at least 1), and a block cached while remembered starts in main. Main gives a block hit
-    since another round, its hits (at most 3) less one. small, main: OrderedDicts of evictable
-    blocks, a freed one at its queue's tail. NOTE: 10%, 2 hits and the cap are libCacheSim's
+    moves to the main FIFO queue, hits reset; else its tokens join the ghost queue (as long as main,
+    at least 1): a block cached while remembered leaves it for main. Main gives a block hit since
+    another round, its hits (at most 3) less one. small, main: OrderedDicts of evictable blocks, a
+    freed one at its tail; ghost: of token tuples. NOTE: 10%, 2 hits and the cap are libCacheSim's
     (S3FIFO.c; its ghost holds 90% of the cache). A policy never hears of hits on blocks in use."""
 
     def __init__(self):
