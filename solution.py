@@ -2123,7 +2123,8 @@ class TraceRequest:
 
 def load_trace(path, limit=None):
     """The first limit requests (all if None) of a Mooncake-format JSONL file, blank lines skipped;
-    ValueError ("path:N: ...") for a line that is not a request, OSError if it cannot be read."""
+    ValueError ("path:N: ...") for a line that is not a request (a file not UTF-8: Python's
+    UnicodeDecodeError, a ValueError too), OSError if it cannot be read."""
     with open(path, encoding="utf-8") as lines:
         numbered = ((number, line) for number, line in enumerate(lines, 1) if line.strip() != "")
         return [parse_trace_line(line, f"{path}:{number}")
@@ -2131,7 +2132,7 @@ def load_trace(path, limit=None):
 
 
 def parse_trace_line(line, where):
-    """A TraceRequest: TRACE_FIELDS, a timestamp a number >= 0, lengths ints >= 0 (0 is one), hash
+    """A TraceRequest: TRACE_FIELDS, a timestamp a number >= 0, lengths ints >= 0 (0 too), hash
     ids ints >= 0, one per 512 tokens; else ValueError naming where."""
     try:
         record = json.loads(line)
@@ -2265,8 +2266,8 @@ MOONCAKE_3M = ("a local cache with a 3M token capacity does not achieve 50% of t
 
 
 def progress(line):
-    """A line on stderr; on a terminal, padded to 70 columns between two carriage returns, so
-    each line rewrites the last and "" erases it."""
+    """A line on stderr: on a terminal, padded to 70 columns between two carriage returns, so
+    each line rewrites the last and "" erases it; elsewhere as it is, a line each ("" none)."""
     if sys.stderr.isatty():  # back to column 0: what stdout prints next starts there
         print(f"\r{line:<70}\r", end="", file=sys.stderr, flush=True)
     elif line != "":
@@ -2276,7 +2277,11 @@ def progress(line):
 def demo_trace(path, limit, block_size, index="hash"):
     """Replay path's requests at each pool size and policy the tables print, each once; with
     index "radix", LRU on both indexes at every size too. ValueError if no hash id repeats. Each
-    replay's progress line: "trace: replay N (policy, index, S blocks)", N from 1, erased after."""
+    replay's progress line: "trace: replay N (policy, index, S blocks)", N from 1, erased after.
+    Sizes: TRACE_SIZES - 1 geometric from the longest request's blocks (prompt and decode), then
+    the smallest pool that never evicts (next_unused of one that holds every request), THREE_M
+    among them if between; LRU against the optimum at each, the first at 50% and KNEE of the
+    ceiling; trace_gap at THREE_M (else the optimum's KNEE pool) and its neighbours that evict."""
     requests = load_trace(path, limit)
     prompts = [trace_prompt(request, block_size) for request in requests]
     future, pools = trace_future(prompts, block_size), {}
@@ -2330,9 +2335,10 @@ def demo_trace(path, limit, block_size, index="hash"):
 
 
 def trace_gap(sizes, rate):
-    """Online policies against LRU and the optimum, rate(policy, size) each (policy: a name, or
-    a look-ahead's window, an int): hit rate, and the share of the optimum's lead over LRU
-    recovered ("-" where LRU has the optimum's hits)."""
+    """Print online policies against LRU and the optimum, rate(policy, size) each (policy: a name,
+    or a look-ahead's window, an int): lru, fifo, s3fifo, each of WINDOWS, optimal; hit rate, and
+    the share of the optimum's lead over LRU recovered ("-" where LRU has the optimum's hits);
+    then at the middle size with a lead, what the widest look-ahead and FIFO or S3-FIFO recover."""
     print("online policies: hit rate (the share of the optimum's lead over LRU recovered); "
           "lookahead W:")
     print("   evict the block whose next use in the next W prompts is farthest")
@@ -2364,7 +2370,7 @@ def trace_vs_mooncake(name, ceiling, lru_3m):
     print("   trace          cache ratio   ours: ceiling   LRU at 3M tokens   LRU / ceiling")
     cells = ("-" if trace is None else f"{MOONCAKE_RATIO[trace]:.0%}", f"{ceiling:.1%}",
              *(("-", "-") if lru_3m is None else (f"{lru_3m:.1%}", f"{lru_3m / ceiling:.0%}")))
-    print(f"   {trace or name:<13}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (12, 16, 19, 16))))
+    print(f"   {trace or name:<13}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (13, 16, 19, 16))))
     print("   (their ratio counts tokens; ours counts full blocks, a 512-token hash id each)")
 
 
