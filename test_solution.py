@@ -2401,6 +2401,18 @@ class TestPart9Sweep:
 
 class TestPart10Bench:
 
+    def test_a_ratio_is_judged_against_its_target_as_it_is_printed(self, lab, capsys,
+                                                                   monkeypatch):
+        def fixed(benches, repeats):  # appends 100, 150, 50 ns; admission 200, floor 100;
+            return {3: [100.0, 150.0, 50.0], 4: [200.0, 100.0, 100.0, 150.04]}.get(  # free:
+                len(benches), [1.0] * len(benches))  # 100 plain, 150.04 caching: 1.5004x
+        monkeypatch.setattr(lab.module, "ns_per_op", fixed)
+        monkeypatch.setattr(lab.module, "BENCH_POOLS", (100, 200, 400))
+        monkeypatch.setattr(lab.module, "BENCH_TARGETS", (1.5, 2, 1.5))
+        lab.demo_bench(16, None)
+        verdicts = capsys.readouterr().out.split("their targets: ")[1].splitlines()[0]
+        assert verdicts == "1.50x <= 1.5x, 2.00x <= 2x, 1.50x <= 1.5x"  # not 1.50x > 1.5x
+
     @pytest.mark.parametrize("block_size", [1, 16])  # at 1, fewer prompts fit 1,000 blocks
     def test_the_bench_runs_at_tiny_sizes_and_prints_every_target(self, lab, capsys, monkeypatch,
                                                                   block_size):
