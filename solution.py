@@ -2435,8 +2435,8 @@ class Fleet:
         self.fetch_ratio = FETCH_RATIOS[0] if fetch_ratio is None else fetch_ratio
 
     def pick(self, keys):
-        """The instance of the least key; among equals, by "round robin" the first after last (past
-        the end, from 0), else the lowest index. Example, keys [0, 5, 3, 0]: last 1: 3; last 3: 0."""
+        """The instance of the least key; among equals, by "round robin" the first after last,
+        wrapping to 0, else the lowest index. Example, keys [0, 5, 3, 0]: last 1: 3; last 3: 0."""
         least = min(keys)
         tied = [i for i, key in enumerate(keys) if key == least]
         return tied[0] if self.ties == "lowest index" else min(
