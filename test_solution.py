@@ -2391,12 +2391,19 @@ class TestPart9Sweep:
                 assert re.search(rf"^ +{size} +{waste:.1%} +{entries:.1f} +{table_bytes / 1024:.1f}"
                                  rf" +{fit}$", out, re.MULTILINE)
 
-    def test_the_sweep_names_each_datasets_sweet_spots_at_its_budget(self, lab, capsys,
-                                                                     monkeypatch):
+    def test_the_sweep_rows_each_datasets_sweet_spots_and_names_them_at_ours(self, lab, capsys,
+                                                                             monkeypatch):
         monkeypatch.setattr(lab.module, "SWEEP_SIZES", (1, 2, 4, 8))
         lab.demo_sweep(16, None)
-        assert "at our 5% the sweet spots are 8, 8, 4 (Alpaca-like); 8, 8, 8 (ShareGPT-like)" \
-            in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "at our 5% the sweet spots are 8, 8, 4 (Alpaca-like); 8, 8, 8 (ShareGPT-like)" in out
+        for dataset, kv_tokens in lab.SWEEP_BUDGETS.items():  # its row: seeds 8-10 per budget
+            waste = [{size: lab.measure_block_size(lab.sweep_workload(dataset, s), kv_tokens,
+                                                   size)[0] for size in (1, 2, 4, 8)}
+                     for s in (8, 9, 10)]
+            cells = [", ".join(str(lab.sweet_spot(w, budget)) for w in waste)
+                     for budget in (0.025, 0.05, 0.1)]
+            assert re.search(rf"^   {dataset[0]}-like +" + " +".join(cells) + "$", out, re.M)
 
 
 class TestPart10Bench:
