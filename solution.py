@@ -2002,7 +2002,8 @@ def bench_bare_append(num_blocks, num_tokens, block_size):
 
 def bench_allocate_free(num_blocks, count, full=0.0, scan=False):
     """allocate + free, count times, on a pool whose first full share is in use; or the
-    slow way, for comparison: search a ref-count list for a free block (list.index, in C)."""
+    slow way, for comparison: search a ref-count list for a free block (list.index, in C); its
+    run returns the block it found, the first past the share in use."""
     if scan:
         ref_cnt = [1] * int(num_blocks * full) + [0] * (num_blocks - int(num_blocks * full))
         def run():
@@ -2010,6 +2011,7 @@ def bench_allocate_free(num_blocks, count, full=0.0, scan=False):
                 block = ref_cnt.index(0)  # allocate: the first free block
                 ref_cnt[block] = 1
                 ref_cnt[block] = 0        # and free it
+            return block
         return run, count
     pool = BlockAllocator(num_blocks)
     pool.allocate_many(int(num_blocks * full))

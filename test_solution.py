@@ -23,6 +23,7 @@ import random
 import re
 import subprocess
 import sys
+import types
 from xml.etree import ElementTree
 
 import pytest
@@ -2413,12 +2414,20 @@ class TestPart10Bench:
         def fixed(benches, repeats):  # appends 100, 150, 50 ns; admission 200, floor 100;
             return {3: [100.0, 150.0, 50.0], 4: [200.0, 100.0, 100.0, 150.04]}.get(  # free:
                 len(benches), [1.0] * len(benches))  # 100 plain, 150.04 caching: 1.5004x
+        memory = iter([(5_000, 7_000), (5_000 + 400 * 300, 999_999)])  # (now, peak): idle, full
+        monkeypatch.setattr(lab.module, "tracemalloc", types.SimpleNamespace(
+            start=lambda: None, stop=lambda: None, get_traced_memory=lambda: next(memory)))
         monkeypatch.setattr(lab.module, "ns_per_op", fixed)
         monkeypatch.setattr(lab.module, "BENCH_POOLS", (100, 200, 400))
         monkeypatch.setattr(lab.module, "BENCH_TARGETS", (1.5, 2, 1.5))
         lab.demo_bench(16, None)
-        verdicts = capsys.readouterr().out.split("their targets: ")[1].splitlines()[0]
+        out = capsys.readouterr().out
+        verdicts = out.split("their targets: ")[1].splitlines()[0]
         assert verdicts == "1.50x <= 1.5x, 2.00x <= 2x, 1.50x <= 1.5x"  # not 1.50x > 1.5x
+        lines = out.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("1. scaling"))
+        assert [line.split()[-1] for line in lines[first + 1:first + 6]] == ["0.50x"] * 5
+        assert out.endswith("idle 5,000 bytes; 300 bytes a block in use\n")  # now, not peak
 
     @pytest.mark.parametrize("block_size", [1, 16])  # at 1, fewer prompts fit 1,000 blocks
     def test_the_bench_runs_at_tiny_sizes_and_prints_every_target(self, lab, capsys, monkeypatch,
@@ -2468,8 +2477,7 @@ class TestPart10Bench:
         assert pickle.loads(pickled[1]) == (sha256(pickled[0]).digest(), tuple(range(16, 32)))
         assert pickle.loads(pickled[2]) == (lab.NONE_HASH, (5,) * 16)  # a new prompt: no parent
         run, ops = lab.bench_allocate_free(100, 5, 0.9, scan=True)
-        run()
-        assert ops == 5
+        assert run() == 90 and ops == 5  # it searched past the 90 blocks in use, each time
 
     def test_each_bench_sets_up_the_pool_it_names_and_does_the_work_it_counts(self, lab,
                                                                                monkeypatch):
@@ -2489,8 +2497,7 @@ class TestPart10Bench:
         run()
         assert ops == 12
         run, ops = lab.bench_allocate_free(10, 5, 0.9, scan=True)  # 1 block free, given back
-        run()
-        assert ops == 5
+        assert run() == 9 and ops == 5
         monkeypatch.setattr(lab.module, "BlockAllocator", recording(lab.BlockAllocator))
         run, ops = lab.bench_allocate_free(10, 5, 0.9)
         pool = pools.pop()
